@@ -1,0 +1,45 @@
+# Two commands do all set-up on a fresh machine: `make demo` (main job) and `make test` (tests).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_HOST_IP ?= 127.0.0.1
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: venv test test-fast lint format demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml launch/setup_venv.sh
+	bash launch/setup_venv.sh $(VENV)
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not ray and not vllm" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+demo: $(STAMP)
+	$(VENV)/bin/treeopsd demo --config configs/default.yaml
+
+bench: $(STAMP)
+	$(VENV)/bin/treeopsd bench all --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,124 @@
+"""The multi-turn agent loop, batched across episodes: every live episode's next turn goes to the policy
+backend in one `sample` call, then each turn is parsed and executed by its environment.
+
+Per turn (token-in/token-out): the backend returns the sampled ids and their log-probs; the ids are stored
+as the turn's tokens (loss mask 1, the stop token included), decoded only for the environment's parser; the
+observation text is rendered to ids by `ChatFormat` (loss mask 0) and appended to the context. Episodes end
+on an answer, an unparseable turn, `max_turns` (counted from the episode start, so a branch from anchor k
+has `max_turns − k` left), or the token budget (the cut turn is terminal and keeps its tokens, §10).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from actors.chat import ChatFormat
+from actors.envs.base import Environment, StepResult, Task
+from actors.envs.tool_calls import ToolCall
+from system.policy import PolicyBackend, SampleRequest
+from system.tree_build import TreeBuilder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    max_turns: int = 6
+    max_turn_tokens: int = 48
+    token_budget: int = 768  # whole-context limit (prompt + turns + observations)
+    mask_truncated_turn: bool = False
+    on_verifier_error: str = "zero"  # "zero" | "drop_tree"
+
+
+@dataclass
+class Episode:
+    """One root-to-leaf walk being sampled into `builder`, starting under node `parent`."""
+
+    task: Task
+    builder: TreeBuilder
+    parent: int  # node the next turn hangs under (0 = the prompt)
+    context: list[int]
+    calls: list[ToolCall | None]  # one entry per turn so far (None: the turn made no valid call)
+    turns_done: int  # turns from the episode start, including a branch's shared prefix
+    key: str  # backend cache key of this episode's KV (one per episode)
+    parent_key: str | None = None  # cache to start from: None = prefill, a trunk's key for a branch
+    nodes: list[int] = field(default_factory=list)  # node ids this episode created, in order
+    done: bool = False
+    finish: str | None = None
+    reward: float | None = None
+    verifier_failed: bool = False
+
+
+def run_episodes(
+    episodes: Sequence[Episode],
+    backend: PolicyBackend,
+    env: Environment,
+    chat: ChatFormat,
+    limits: LoopLimits,
+    between_turns: Callable[[], None] | None = None,
+) -> None:
+    """Steps every episode to its end; each finished episode's last node is a leaf with its reward."""
+    live = [e for e in episodes if not e.done]
+    while live:
+        if between_turns is not None:
+            between_turns()  # weights are swapped only here, never inside a turn
+        requests, stepping = [], []
+        for e in live:
+            room = limits.token_budget - len(e.context)
+            if room <= 0:
+                _end(e, "token_budget", 0.0)
+                continue
+            requests.append(
+                SampleRequest(
+                    context=e.context,
+                    max_new_tokens=min(limits.max_turn_tokens, room),
+                    stop_token_ids=chat.stop_token_ids,
+                    cache_key=e.key,  # the backend extends an episode's cache in place turn by turn
+                    parent_key=e.parent_key,
+                )
+            )
+            stepping.append(e)
+        results = backend.sample(requests) if requests else []
+        version = int(getattr(backend, "version", 0))
+        for e, req, res in zip(stepping, requests, results, strict=True):
+            _apply_turn(e, res.token_ids, res.logprobs, res.finish_reason, version, env, chat, limits)
+        live = [e for e in live if not e.done]
+
+
+def _apply_turn(e, tokens, logprobs, finish_reason, version, env, chat, limits) -> None:
+    truncated = finish_reason != "stop"
+    mask = [not (truncated and limits.mask_truncated_turn)] * len(tokens)
+    node = e.builder.add_turn(e.parent, tokens, logprobs, loss_mask=mask, policy_version=version)
+    e.nodes.append(node)
+    e.parent, e.turns_done = node, e.turns_done + 1
+    e.parent_key = e.key
+    result = _safe_step(env, e, chat.decode_turn(tokens))
+    if result is None:
+        _end(e, "verifier_error", 0.0, failed=True)
+    elif result.done:
+        _end(e, result.info.get("finish") or "done", float(result.reward or 0.0))
+    elif truncated:
+        _end(e, "truncated", 0.0)  # a cut turn cannot be continued: terminal, reward per verifier (none: 0)
+    elif e.turns_done >= limits.max_turns:
+        _end(e, "max_turns", 0.0)
+    else:
+        e.calls.append(result.call)
+        obs = chat.observation_tokens(result.observation or "")
+        e.builder.set_observation(node, obs)
+        e.context = [*e.context, *tokens, *obs]
+
+
+def _safe_step(env: Environment, e: Episode, text: str) -> StepResult | None:
+    try:
+        return env.step(e.task, [c for c in e.calls if c is not None], text)
+    except Exception:  # environments must not raise; if one does, the tree records a verifier error
+        log.exception("environment %s raised on task %s", getattr(env, "name", "?"), e.task.task_id)
+        return None
+
+
+def _end(e: Episode, finish: str, reward: float, failed: bool = False) -> None:
+    e.done, e.finish, e.reward, e.verifier_failed = True, finish, reward, failed
+    if e.nodes:
+        e.builder.set_reward(e.nodes[-1], reward)

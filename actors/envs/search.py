@@ -1,0 +1,127 @@
+"""BM25 retrieval (bm25s) behind the Search-R1 retriever contract.
+
+``search(queries, topk) -> [[{"id", "contents", "score"}, ...] per query]``, best first. Ties are broken by
+corpus order so results are reproducible (bm25s' own top-k selection is not stable under ties). A query with
+no indexed term (empty, only stop words, unknown words) returns ``[]``; documents scoring 0 (no shared
+term) are never returned, so a result list can be shorter than ``topk``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import bm25s
+import numpy as np
+
+_PASSAGES_FILE = "passages.jsonl"
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A retrievable unit. ``contents`` follows wiki-18: the quoted title on the first line."""
+
+    id: str
+    title: str
+    text: str
+
+    @property
+    def contents(self) -> str:
+        return f'"{self.title}"\n{self.text}' if self.title else self.text
+
+
+class Retriever(Protocol):
+    """Anything with the Search-R1 contract (a local index, or a client of a /retrieve server)."""
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[dict[str, Any]]]: ...
+
+
+def _tokenize(texts: list[str], *, return_ids: bool) -> Any:
+    return bm25s.tokenize(texts, stopwords="en", return_ids=return_ids, show_progress=False)
+
+
+class Bm25Index:
+    """An in-memory BM25 index over ``(ids, texts)``; ``texts`` are what the search tool returns."""
+
+    def __init__(self, ids: Sequence[str], texts: Sequence[str], *, _retriever: Any = None) -> None:
+        if len(ids) != len(texts):
+            raise ValueError(f"{len(ids)} ids but {len(texts)} texts")
+        if not ids:
+            raise ValueError("cannot index an empty corpus")
+        self.ids: list[str] = list(ids)
+        self.texts: list[str] = list(texts)
+        self._pos: dict[str, int] = {}
+        for i, doc_id in enumerate(self.ids):
+            if doc_id in self._pos:
+                raise ValueError(f"duplicate passage id {doc_id!r} at positions {self._pos[doc_id]} and {i}")
+            self._pos[doc_id] = i
+        if _retriever is None:
+            _retriever = bm25s.BM25()
+            _retriever.index(_tokenize(self.texts, return_ids=True), show_progress=False)
+        self._bm25 = _retriever
+
+    @classmethod
+    def from_passages(cls, passages: Sequence[Passage]) -> Bm25Index:
+        return cls([p.id for p in passages], [p.contents for p in passages])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, doc_id: object) -> bool:
+        return doc_id in self._pos
+
+    def text(self, doc_id: str) -> str:
+        """The indexed text of a passage; KeyError for an unknown id."""
+        return self.texts[self._pos[doc_id]]
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[dict[str, Any]]]:
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        tokenized = _tokenize(list(queries), return_ids=False) if queries else []
+        return [self._search_tokens(tokens, topk) for tokens in tokenized]
+
+    def search_one(self, query: str, topk: int) -> list[dict[str, Any]]:
+        return self.search([query], topk)[0]
+
+    def _search_tokens(self, tokens: list[str], topk: int) -> list[dict[str, Any]]:
+        known = [t for t in tokens if t in self._bm25.vocab_dict]
+        if not known:
+            return []
+        scores = np.asarray(self._bm25.get_scores(known), dtype=np.float64)
+        k = min(topk, len(scores))
+        if k < len(scores):
+            # Keep everything tied with the k-th best, then sort by (-score, position): stable under ties.
+            kth = np.partition(scores, len(scores) - k)[len(scores) - k]
+            cand = np.flatnonzero(scores >= kth)
+        else:
+            cand = np.arange(len(scores))
+        order = cand[np.lexsort((cand, -scores[cand]))][:k]
+        return [
+            {"id": self.ids[i], "contents": self.texts[i], "score": float(scores[i])}
+            for i in order
+            if scores[i] > 0
+        ]
+
+    def save(self, directory: str | Path) -> None:
+        """Write the bm25s arrays plus our own ``passages.jsonl`` (ids and texts, in index order)."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self._bm25.save(str(path), show_progress=False)
+        with open(path / _PASSAGES_FILE, "w", encoding="utf-8") as fh:
+            for doc_id, text in zip(self.ids, self.texts, strict=True):
+                fh.write(json.dumps({"id": doc_id, "contents": text}, ensure_ascii=False) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Bm25Index:
+        path = Path(directory)
+        ids, texts = [], []
+        with open(path / _PASSAGES_FILE, encoding="utf-8") as fh:
+            for line in fh:
+                row = json.loads(line)
+                ids.append(row["id"])
+                texts.append(row["contents"])
+        retriever = bm25s.BM25.load(str(path), show_progress=False)
+        return cls(ids, texts, _retriever=retriever)

@@ -1,0 +1,287 @@
+"""The default offline task: multi-hop lookups over a generated knowledge base (data-and-models.md §4.1).
+
+Entities have made-up pronounceable names, so no pretrained model knows the answers. Eight functional
+relations give one passage per fact, ``"The {relation} of {subject} is {object}."``; the default sizes
+(300 persons, 60 companies, 80 cities, 20 countries) give 300*3 + 60*2 + 80 + 20*2 = 1,140 passages.
+A question follows a relation path from a start entity, e.g. "What is the country of the birthplace of
+Tavo Mirel?", and its single answer is the end of the chain.
+
+Two choices keep the oracle (``"search: {E_i} {r_{i+1}}"``) exact under BM25 top-2:
+- every name word is unique across the KB and is neither a stop word nor a relation word, and
+- mentor is one cycle over all persons, so a person is the mentor of exactly one other person. The query
+  "X mentor" then ties exactly two passages ("The mentor of X is Y" and "The mentor of W is X"); with a
+  free mentor relation a popular mentor would push the right passage out of the top 2.
+Chains that revisit an entity are excluded, so an answer never appears in its own question.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from itertools import pairwise, product
+
+from bm25s.stopwords import STOPWORDS_EN
+
+from actors.envs.base import Task, Tool, ToolEnv
+from actors.envs.search import Bm25Index, Passage
+
+RELATIONS: dict[str, tuple[str, str]] = {  # relation -> (subject type, object type)
+    "birthplace": ("person", "city"),
+    "employer": ("person", "company"),
+    "mentor": ("person", "person"),
+    "headquarters": ("company", "city"),
+    "founder": ("company", "person"),
+    "country": ("city", "country"),
+    "capital": ("country", "city"),
+    "leader": ("country", "person"),
+}
+ENTITY_TYPES = ("person", "company", "city", "country")
+SYSTEM_PROMPT = "Use search: <query> or answer: <answer>."
+COMPANY_SUFFIXES = ("Corp", "Labs", "Group", "Works")
+TRAIN_SEED, EVAL_SEED = 1, 2
+DATASET = "synthetic_kb"
+
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr", "st")
+_VOWELS = ("a", "e", "i", "o", "u")
+_CODAS = ("", "", "n", "r", "l", "s", "m")
+# Words a name may not be: relation/type words, company suffixes, stop words bm25s drops, yes/no.
+_RESERVED = {*RELATIONS, *(s.lower() for s in COMPANY_SUFFIXES), *ENTITY_TYPES}
+_RESERVED |= {*STOPWORDS_EN, "yes", "no", "noanswer"}
+
+
+@dataclass(frozen=True)
+class KBConfig:
+    n_persons: int = 300
+    n_companies: int = 60
+    n_cities: int = 80
+    n_countries: int = 20
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class KnowledgeBase:
+    """Entities by type and the facts ``(subject, relation) -> object`` in passage order."""
+
+    entities: dict[str, tuple[str, ...]]
+    facts: dict[tuple[str, str], str]
+
+    def passages(self) -> list[Passage]:
+        return [
+            Passage(f"kb-{i:04d}", "", fact_text(s, r, o)) for i, ((s, r), o) in enumerate(self.facts.items())
+        ]
+
+    def follow(self, start: str, path: tuple[str, ...]) -> tuple[str, ...]:
+        """The chain E0..Ek of entities visited along ``path``."""
+        chain = [start]
+        for rel in path:
+            chain.append(self.facts[(chain[-1], rel)])
+        return tuple(chain)
+
+
+def fact_text(subject: str, relation: str, obj: str) -> str:
+    return f"The {relation} of {subject} is {obj}."
+
+
+class _Namer:
+    """Draws pronounceable words, each unique (case-insensitively) across the whole KB."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.used = rng, set(_RESERVED)
+
+    def word(self, min_syl: int = 2, max_syl: int = 3) -> str:
+        while True:
+            n = self.rng.randint(min_syl, max_syl)
+            w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(n))
+            w += self.rng.choice(_CODAS)
+            if w not in self.used:
+                self.used.add(w)
+                return w.capitalize()
+
+
+def generate_kb(config: KBConfig | None = None) -> KnowledgeBase:
+    """Deterministic in ``config.seed``."""
+    cfg = config or KBConfig()
+    if min(cfg.n_persons, cfg.n_companies, cfg.n_cities, cfg.n_countries) < 1 or cfg.n_persons < 5:
+        raise ValueError(f"KB sizes too small: {cfg}")
+    if cfg.n_cities < cfg.n_countries or cfg.n_persons < cfg.n_countries:
+        raise ValueError("need at least one city and one distinct leader per country")
+    rng = random.Random(cfg.seed)
+    namer = _Namer(rng)
+    persons = tuple(f"{namer.word(2, 2)} {namer.word()}" for _ in range(cfg.n_persons))
+    companies = tuple(f"{namer.word()} {rng.choice(COMPANY_SUFFIXES)}" for _ in range(cfg.n_companies))
+    cities = tuple(namer.word() for _ in range(cfg.n_cities))
+    countries = tuple(namer.word() for _ in range(cfg.n_countries))
+    # every country gets at least one city, so its capital can be one of its own cities
+    country_of = {
+        c: countries[i] if i < len(countries) else rng.choice(countries) for i, c in enumerate(cities)
+    }
+    order = list(persons)
+    rng.shuffle(order)
+    mentor_of = {p: order[(i + 1) % len(order)] for i, p in enumerate(order)}  # one cycle, see module doc
+    leaders = rng.sample(persons, len(countries))
+    facts: dict[tuple[str, str], str] = {}
+    for p in persons:
+        facts[(p, "birthplace")] = rng.choice(cities)
+        facts[(p, "employer")] = rng.choice(companies)
+        facts[(p, "mentor")] = mentor_of[p]
+    for c in companies:
+        facts[(c, "headquarters")] = rng.choice(cities)
+        facts[(c, "founder")] = rng.choice(persons)
+    for city in cities:
+        facts[(city, "country")] = country_of[city]
+    for i, country in enumerate(countries):
+        facts[(country, "capital")] = rng.choice([c for c in cities if country_of[c] == country])
+        facts[(country, "leader")] = leaders[i]
+    entities = {"person": persons, "company": companies, "city": cities, "country": countries}
+    return KnowledgeBase(entities, facts)
+
+
+def relation_paths(hops: int) -> list[tuple[str, ...]]:
+    """All relation paths of length ``hops`` whose types chain (each hop starts where the last ended)."""
+    return [
+        path
+        for path in product(RELATIONS, repeat=hops)
+        if all(RELATIONS[a][1] == RELATIONS[b][0] for a, b in pairwise(path))
+    ]
+
+
+def question_text(start: str, path: tuple[str, ...]) -> str:
+    return "What is the " + " of the ".join(reversed(path)) + f" of {start}?"
+
+
+def _chains(kb: KnowledgeBase, hops: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Every (start, path) with ``hops`` hops whose chain visits distinct entities, in a fixed order."""
+    out = []
+    for path in relation_paths(hops):
+        for start in kb.entities[RELATIONS[path[0]][0]]:
+            chain = kb.follow(start, path)
+            if len(set(chain)) == len(chain):
+                out.append((start, path))
+    return out
+
+
+def _task(kb: KnowledgeBase, task_id: str, start: str, path: tuple[str, ...]) -> Task:
+    chain = kb.follow(start, path)
+    meta = {"hops": len(path), "path": list(path), "chain": list(chain)}
+    return Task(task_id, question_text(start, path), (chain[-1],), DATASET, meta)
+
+
+def eval_questions(
+    kb: KnowledgeBase, per_hop: int = 40, hops: tuple[int, ...] = (2, 3, 4), seed: int = EVAL_SEED
+) -> list[Task]:
+    """The held-out split: ``per_hop`` questions per hop count (120 by default)."""
+    tasks = []
+    for k in hops:
+        pool = _chains(kb, k)
+        random.Random(seed * 1000 + k).shuffle(pool)
+        if len(pool) < per_hop:
+            raise ValueError(f"only {len(pool)} distinct {k}-hop questions, asked for {per_hop}")
+        tasks += [_task(kb, f"kb-eval-{k}hop-{i:03d}", s, p) for i, (s, p) in enumerate(pool[:per_hop])]
+    return tasks
+
+
+def train_questions(
+    kb: KnowledgeBase,
+    n: int | None = None,
+    hops: tuple[int, int] = (2, 2),
+    seed: int = TRAIN_SEED,
+    exclude: list[Task] | None = None,
+) -> list[Task]:
+    """Training questions with hop counts in ``hops`` (inclusive), none sharing (start, path) with
+    ``exclude`` (default: the default eval split). Hop counts are interleaved round-robin; ``n=None``
+    takes every available question."""
+    excluded = eval_questions(kb) if exclude is None else exclude
+    banned = {(t.meta["chain"][0], tuple(t.meta["path"])) for t in excluded}
+    pools = []
+    for k in range(hops[0], hops[1] + 1):
+        pool = [c for c in _chains(kb, k) if c not in banned]
+        random.Random(seed * 1000 + k).shuffle(pool)
+        pools.append(pool)
+    mixed = [c for group in _round_robin(pools) for c in group]
+    if n is not None and n > len(mixed):
+        raise ValueError(f"asked for {n} training questions, only {len(mixed)} exist for hops {hops}")
+    picked = mixed if n is None else mixed[:n]
+    return [_task(kb, f"kb-train-{i:05d}", s, p) for i, (s, p) in enumerate(picked)]
+
+
+def _round_robin(pools: list[list[tuple[str, tuple[str, ...]]]]) -> list[list[tuple[str, tuple[str, ...]]]]:
+    longest = max((len(p) for p in pools), default=0)
+    return [[p[i] for p in pools if i < len(p)] for i in range(longest)]
+
+
+def read_fact(observation: str, subject: str, relation: str) -> str | None:
+    """The object of ``relation`` for ``subject`` if one line of a search observation states it."""
+    prefix = f"The {relation} of {subject} is "
+    for line in observation.splitlines():
+        if line.startswith(prefix) and line.endswith("."):
+            return line[len(prefix) : -1]
+    return None
+
+
+class SyntheticKBEnv(ToolEnv):
+    """search (BM25 top-k passages, one per line) + answer; reward = EM against the end entity."""
+
+    name = "synthetic_kb"
+
+    def __init__(
+        self,
+        kb: KnowledgeBase | None = None,
+        config: KBConfig | None = None,
+        topk: int = 2,
+        max_turns: int = 6,
+        index: Bm25Index | None = None,
+    ) -> None:
+        self.kb = kb if kb is not None else generate_kb(config)
+        self.index = index if index is not None else Bm25Index.from_passages(self.kb.passages())
+        self.topk = topk
+        search = Tool("search", "Search the knowledge base; returns matching facts.", "query", self.search)
+        super().__init__([search], SYSTEM_PROMPT, max_turns)
+
+    def search(self, query: str) -> str:
+        hits = self.index.search_one(query, self.topk)
+        return "\n".join(h["contents"] for h in hits) if hits else "no results"
+
+    def tasks(self, split: str, **kwargs: object) -> list[Task]:
+        """``split`` is "train" (kwargs of ``train_questions``) or "eval" (kwargs of ``eval_questions``)."""
+        if split == "train":
+            return train_questions(self.kb, **kwargs)  # type: ignore[arg-type]
+        if split == "eval":
+            return eval_questions(self.kb, **kwargs)  # type: ignore[arg-type]
+        raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
+
+    def oracle_turns(self, task: Task) -> list[tuple[str, str | None]]:
+        """SFT trajectory: (assistant text, tool observation) per turn; the last turn answers (obs None).
+
+        Each next entity is read from the real search observation, not the KB, so a retrieval miss
+        raises instead of producing a trajectory the tool could not support.
+        """
+        entity = task.meta["chain"][0]
+        turns: list[tuple[str, str | None]] = []
+        for rel in task.meta["path"]:
+            query = f"{entity} {rel}"
+            obs = self.search(query)
+            nxt = read_fact(obs, entity, rel)
+            if nxt is None:
+                raise RuntimeError(f"{task.task_id}: search {query!r} did not retrieve the fact: {obs!r}")
+            turns.append((f"search: {query}", obs))
+            entity = nxt
+        turns.append((f"answer: {entity}", None))
+        return turns
+
+
+def tokenizer_texts(
+    env: SyntheticKBEnv, n_questions: int = 2000, n_oracle: int = 200, system_repeats: int = 50, seed: int = 0
+) -> list[str]:
+    """Text to train a tokenizer on: passages, sample questions, oracle turns and the system prompt
+    (repeated so its words become single tokens)."""
+    texts = [p.text for p in env.kb.passages()]
+    questions = train_questions(env.kb, n=None, hops=(2, 4), seed=seed + 100, exclude=[])
+    questions = questions[:n_questions]
+    texts += [t.question for t in questions]
+    for task in questions[:n_oracle]:
+        for action, obs in env.oracle_turns(task):
+            texts.append(action)
+            if obs is not None:
+                texts.append(obs)
+    texts += [SYSTEM_PROMPT] * system_repeats
+    return texts

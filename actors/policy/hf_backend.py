@@ -1,0 +1,230 @@
+"""HF-transformers policy backend: token-level decoding with a KV cache kept across turns (CPU, tiny models).
+
+Implements `system.policy.PolicyBackend`. Never calls `generate` and never re-encodes text: each request
+carries the full context as ids; with `parent_key` the stored `DynamicCache` of an earlier request is reused
+for the longest common prefix (the whole parent when the new context extends it, a cropped copy when it
+branches off earlier, a full prefill when nothing is shared), and only the new suffix is fed.
+
+Log-probs are those of the *sampling distribution*: log-softmax of logits/T with tokens outside top-k/top-p
+removed and the rest renormalized (`sampling_logprobs`). At the defaults (T=1, top-p 1, top-k off) these are
+the model's own log-probs. Temperature 0 means greedy (argmax) and reports the model's log-probs (T=1).
+`score` applies the same transform, so score(sampled ids) reproduces the sampled log-probs.
+
+Requests in one `sample` call run one after another (no padding/batching), in order, drawing from one
+seeded `torch.Generator`: the same call sequence on the same weights gives the same ids.
+
+Usage::
+
+    backend = HFBackend("/tmp/tiny", sampling=SamplingConfig(seed=0))
+    [r1] = backend.sample([SampleRequest(ctx, 64, (eos,), cache_key="ep1")])
+    ctx2 = ctx + r1.token_ids + obs_ids
+    [r2] = backend.sample([SampleRequest(ctx2, 64, (eos,), cache_key="ep1", parent_key="ep1")])
+    r2.cached_prefix_tokens  # == len(ctx) + len(r1.token_ids) - 1 (the last sampled token was never fed)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from actors.policy.tiny_model import load_model, set_threads
+from system.policy import SampleRequest, SampleResult, SamplingConfig
+
+
+def sampling_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """[..., V] fp32 logits -> [..., V] log-probs of the sampling distribution (-inf outside top-k/top-p).
+
+    Greedy (T <= 0) returns the model's log-probs: the argmax is what is sampled, its log-prob is the model's.
+    """
+    logits = logits.float()
+    if cfg.temperature <= 0:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / cfg.temperature
+    if 0 < cfg.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, cfg.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    if cfg.top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True)
+        # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, -math.inf)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+@dataclass
+class _Entry:
+    ids: list[int]  # the tokens whose K/V the cache holds, in order
+    cache: DynamicCache
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class HFBackend:
+    """PolicyBackend over a local HF causal LM; the module docstring gives the caching and log-prob rules."""
+
+    def __init__(
+        self,
+        model_path_or_model: str | Path | PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        threads: int = 1,
+        sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 - frozen dataclass, safe as a default
+        device: str = "cpu",
+        max_cached_sessions: int = 512,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        set_threads(threads)
+        if isinstance(model_path_or_model, str | Path):
+            model, loaded_tok = load_model(model_path_or_model, dtype=dtype, threads=threads)
+            tokenizer = tokenizer or loaded_tok
+        else:
+            model = model_path_or_model
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.device = torch.device(device)
+        self.max_cached_sessions = max_cached_sessions
+        self.version = 0
+        self.generator = torch.Generator(device="cpu")
+        if sampling.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(sampling.seed)
+        self._caches: OrderedDict[str, _Entry] = OrderedDict()
+
+    # ---- PolicyBackend -------------------------------------------------------------------------------
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        return [self._sample_one(r) for r in requests]
+
+    @torch.inference_mode()
+    def score(self, context: Sequence[int], start: int) -> list[float]:
+        """Log-probs of context[start:] under the sampling distribution, by one forward pass (start >= 1)."""
+        if not 1 <= start <= len(context):
+            raise ValueError(f"start must be in [1, {len(context)}], got {start}")
+        ids = torch.tensor([list(context)], device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, start - 1 : -1].float().cpu()
+        lps = sampling_logprobs(logits, self.sampling)
+        target = torch.tensor(list(context[start:])).unsqueeze(-1)
+        return lps.gather(-1, target).squeeze(-1).tolist()
+
+    def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Copies tensors into the model in place (dtype cast; names and shapes must match) and drops caches.
+
+        A subset of the parameters is allowed (the rest keep their values); an unknown name or a wrong shape
+        raises ValueError before anything is copied.
+        """
+        state = self.model.state_dict()  # shares storage with the parameters and buffers
+        unknown = sorted(set(named_tensors) - set(state))
+        if unknown:
+            raise ValueError(
+                f"load_weights: unknown names {unknown[:5]} (model has e.g. {next(iter(state))})"
+            )
+        tensors = {name: torch.as_tensor(t) for name, t in named_tensors.items()}
+        bad = [f"{n}: got {tuple(t.shape)}, want {tuple(state[n].shape)}" for n, t in tensors.items()
+               if t.shape != state[n].shape]  # fmt: skip
+        if bad:
+            raise ValueError(f"load_weights: shape mismatch {bad[:5]}")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                state[name].copy_(t.to(dtype=state[name].dtype, device=state[name].device))
+        self._caches.clear()  # K/V computed with the old weights are stale
+        self.version = version
+
+    def close(self) -> None:
+        self._caches.clear()
+
+    # ---- cache management ----------------------------------------------------------------------------
+    def evict(self, *keys: str) -> None:
+        """Frees the caches of finished sessions early (the LRU bound would drop them eventually)."""
+        for key in keys:
+            self._caches.pop(key, None)
+
+    @property
+    def cached_sessions(self) -> int:
+        return len(self._caches)
+
+    def _start_cache(self, req: SampleRequest, context: list[int]) -> tuple[DynamicCache, int]:
+        """A cache holding the K/V of context[:n] and that n (0 = fresh). Never mutates a stored cache
+        that someone else may branch from; at least one context token is always left to feed."""
+        entry = self._caches.get(req.parent_key) if req.parent_key is not None else None
+        if entry is None or any(layer.is_sliding for layer in entry.cache.layers):
+            return DynamicCache(config=self.model.config), 0
+        n = min(_common_prefix(entry.ids, context), len(context) - 1)
+        if n <= 0:
+            return DynamicCache(config=self.model.config), 0
+        if req.parent_key == req.cache_key:
+            # The entry is about to be replaced under the same key: extend it in place, no copy.
+            del self._caches[req.parent_key]
+            entry.cache.crop(n - len(entry.ids))  # negative: number of tokens to remove (0: no-op)
+            return entry.cache, n
+        self._caches.move_to_end(req.parent_key)
+        # Slices are views; DynamicLayer.update concatenates into new tensors, so the parent stays intact.
+        prefix = [(k[..., :n, :], v[..., :n, :]) for k, v, *_ in entry.cache]
+        return DynamicCache(prefix, config=self.model.config), n
+
+    def _store(self, key: str, ids: list[int], cache: DynamicCache) -> None:
+        if self.max_cached_sessions <= 0:
+            return
+        self._caches[key] = _Entry(ids, cache)
+        self._caches.move_to_end(key)
+        while len(self._caches) > self.max_cached_sessions:
+            self._caches.popitem(last=False)
+
+    # ---- decoding ------------------------------------------------------------------------------------
+    def _forward(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
+        """Feeds `ids` after what `cache` holds; returns the fp32 logits [V] of the last position."""
+        x = torch.tensor([ids], device=self.device)
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu()
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, float]:
+        lps = sampling_logprobs(logits, self.sampling)
+        if self.sampling.temperature <= 0:
+            tok = int(torch.argmax(lps))
+        else:
+            # Inverse CDF with one uniform per token: explicit, so the draw sequence is easy to reason about.
+            cdf = lps.double().exp().cumsum(0)
+            u = torch.rand((), generator=self.generator, dtype=torch.float64) * cdf[-1]
+            tok = min(int(torch.searchsorted(cdf, u, right=True)), lps.shape[0] - 1)
+            while not math.isfinite(float(lps[tok])):  # float edge at the top of the CDF: step back
+                tok -= 1
+        return tok, float(lps[tok])
+
+    @torch.inference_mode()
+    def _sample_one(self, req: SampleRequest) -> SampleResult:
+        context = [int(t) for t in req.context]
+        if not context:
+            raise ValueError("SampleRequest.context must hold at least one token")
+        cache, reused = self._start_cache(req, context)
+        logits = self._forward(context[reused:], cache)
+        stops = set(req.stop_token_ids)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        for step in range(req.max_new_tokens):
+            tok, lp = self._pick(logits)
+            tokens.append(tok)
+            logprobs.append(lp)
+            if tok in stops:
+                finish = "stop"
+                break
+            if step + 1 < req.max_new_tokens:  # the last token's K/V is computed when the next turn feeds it
+                logits = self._forward([tok], cache)
+        if req.cache_key is not None:
+            seq = context + tokens
+            self._store(req.cache_key, seq[: cache.get_seq_length()], cache)
+        info = {"version": self.version, "prefill_tokens": len(context) - reused}
+        return SampleResult(tokens, logprobs, finish, cached_prefix_tokens=reused, info=info)

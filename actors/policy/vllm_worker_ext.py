@@ -1,0 +1,46 @@
+"""vLLM worker extension: in-place weight reload from a safetensors file.
+
+vLLM mixes this class into its worker class when the engine is built with
+`worker_extension_cls="actors.policy.vllm_worker_ext.WeightLoaderExtension"`; the driver then calls
+`llm.collective_rpc("treeopsd_load_weights", args=(path,))` and every worker runs the method below.
+
+Why a file path and not tensors: collective_rpc pickles its arguments through vLLM's message queue, and
+tensors do not survive that (`cannot pickle memoryview objects`); a safetensors file in tmpfs is cheap and
+pickle-free. Why `reload_weights` and not `model.load_weights`: on CPU, vLLM repacks linear weights after
+loading (the original parameters become size-0), so a second plain `load_weights` fails; `reload_weights`
+(vllm/model_executor/model_loader/reload/inplace.py) restores the checkpoint layout per layer, loads,
+re-runs the post-load processing and copies the result into the original storage.
+
+vLLM asserts that no attribute of an extension clashes with the worker's, so every name here carries the
+`treeopsd_` prefix (a method named `update_weights` clashes). This module imports no vLLM code itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker; `self` is the worker (has `reload_weights`, `model_runner`)."""
+
+    def treeopsd_load_weights(self: Any, path: str) -> int:
+        """Load checkpoint-format tensors (HF names) from `path` in place; return how many were read.
+
+        The file is NOT removed here: with tensor parallelism every worker reads the same file, so the
+        driver (VLLMBackend.load_weights) removes it after all workers have answered.
+        """
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)  # tmpfs-backed, so this is a memcpy, not disk I/O
+        # Worker.reload_weights wraps model_runner.reload_weights in the engine's config context and
+        # resets the LoRA/encoder/multimodal caches; the KV prefix cache is reset by the driver.
+        self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        return len(tensors)
+
+    def treeopsd_param_sum(self: Any, name_contains: str) -> float:
+        """Sum of the model parameters whose name contains `name_contains` (a cheap test probe)."""
+        total = 0.0
+        for name, param in self.model_runner.get_model().named_parameters():
+            if name_contains in name:
+                total += float(param.detach().double().sum())
+        return total

@@ -1,0 +1,236 @@
+"""Weight broadcast, sampler side: the `WeightSink` over ZeroMQ (protocol: learner/weight_publisher.py).
+
+`poll` returns only complete, verified versions newer than the last one it returned. A version whose header,
+chunks or tensors fail their checks (system/weight_codec.py) is rejected: logged, counted in `stats()`, the
+last good version stays in force, and the latest is asked for again (at most `max_retries` times per version;
+after that only a newer announcement is tried). Payloads come from the publisher's shared-memory file when it
+is visible here (same host), otherwise as chunks over the socket with `window` requests in flight.
+
+Usage (the sampler, between turns)::
+
+    sub = WeightSubscriber(pub.endpoint)              # + server_public_key=pub.public_key with CURVE
+    got = sub.poll(timeout_ms=0)
+    if got is not None:
+        backend.load_weights(got[1], version=got[0])       # then stamp got[0] on what is sampled next
+
+Returned arrays are numpy (views of one private buffer or a private copy-on-write mapping); bfloat16 tensors
+come back as torch.bfloat16 tensors (numpy has no bfloat16), or as raw uint16 bits with `bfloat16="uint16"`.
+Not thread-safe: one thread polls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from system.weight_codec import WeightAssembler, WeightHeader, WeightMessageError
+
+log = logging.getLogger(__name__)
+META = struct.Struct(">QII")  # version, chunk index, fetch tag (echoed by the publisher)
+_MADV_POPULATE_READ = 22  # Linux >= 5.14: map every page now, without breaking copy-on-write
+
+
+class _Gone(Exception):
+    """The publisher no longer holds the version being fetched (newer ones replaced it)."""
+
+
+class WeightSubscriber:
+    """`WeightSink` fed by a `WeightPublisher` at `endpoint`; see the module docstring."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        server_public_key: bytes | None = None,
+        *,
+        transport: str = "auto",
+        window: int = 8,
+        fetch_timeout_s: float = 30.0,
+        refresh_s: float = 2.0,
+        threads: int = 2,
+        bfloat16: str = "torch",
+        max_retries: int = 1,
+    ) -> None:
+        if transport not in ("auto", "tcp"):
+            raise ValueError(
+                f"transport must be 'auto' (shared memory when possible) or 'tcp', got {transport!r}"
+            )
+        self.endpoint, self.transport, self.window = endpoint, transport, max(1, window)
+        self.fetch_timeout_s, self.refresh_s, self.max_retries = fetch_timeout_s, refresh_s, max_retries
+        self.bfloat16 = bfloat16
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.IPV6, int("[" in endpoint))):
+            self._sock.setsockopt(opt, val)
+        if server_public_key is not None:
+            self._sock.curve_serverkey = server_public_key
+            self._sock.curve_publickey, self._sock.curve_secretkey = zmq.curve_keypair()
+        self._sock.connect(endpoint)
+        self._pool = ThreadPoolExecutor(threads, "weight-verify") if threads > 1 else None
+        self.version = -1  # last version returned by poll
+        self._offer: tuple[WeightHeader, dict[str, Any]] | None = None
+        self._failures: dict[int, int] = {}
+        self._tag = 0
+        self._asked = 0.0
+        self._stats: dict[str, Any] = {"received": 0, "rejected": 0, "gone": 0, "bad_messages": 0}
+        self._stats.update({"last_error": "", "fetch_s": 0.0, "transport": "", "bytes": 0})
+        self.request_latest()
+
+    # ---- WeightSink ------------------------------------------------------------------------------------
+    def poll(self, timeout_ms: int = 0) -> tuple[int, dict[str, Any]] | None:
+        """Wait up to `timeout_ms` for a newer version; fetch, verify and return it, else None.
+
+        Once an announcement is in hand the fetch runs to the end (bounded by `fetch_timeout_s`)."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            while self._sock.poll(0):
+                self._on_message(self._sock.recv_multipart())
+            if self._offer is not None:
+                got = self._fetch(*self._offer)
+                if got is not None:
+                    return got
+                continue
+            now = time.monotonic()
+            if now - self._asked > self.refresh_s:  # a lost announcement or a restarted publisher
+                self.request_latest()
+            if now >= deadline or not self._sock.poll(max(1, int((deadline - now) * 1000))):
+                return None
+
+    def request_latest(self) -> None:
+        """Ask the publisher for its newest version (also how a late joiner catches up)."""
+        self._sock.send(b"LATEST")
+        self._asked = time.monotonic()
+
+    def stats(self) -> dict[str, Any]:
+        return {"version": self.version, **self._stats}
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send(b"BYE", zmq.NOBLOCK)
+        self._sock.close(linger=0)
+        self._ctx.term()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- messages ---------------------------------------------------------------------------------------
+    def _on_message(self, frames: list[bytes]) -> None:
+        kind = frames[0] if frames else b""
+        if kind == b"ANNOUNCE" and len(frames) == 3:
+            try:
+                header = WeightHeader.from_bytes(frames[1])
+                locator = json.loads(frames[2])
+            except (WeightMessageError, ValueError) as e:
+                self._reject(-1, WeightMessageError(f"bad announcement: {e}"))
+                return
+            v = header.version
+            newest = self._offer[0].version if self._offer is not None else self.version
+            if v > newest and self._failures.get(v, 0) <= self.max_retries:
+                self._offer = (header, locator)
+        elif kind not in (b"NONE", b"CHUNK", b"GONE"):  # late chunks of an abandoned fetch are expected
+            self._stats["bad_messages"] += 1
+
+    def _reject(self, version: int, err: Exception) -> None:
+        self._stats["rejected"] += 1
+        self._stats["last_error"] = str(err)
+        n = self._failures[version] = self._failures.get(version, 0) + 1
+        log.warning("weights v%d rejected (%s); keeping v%d", version, err, self.version)
+        if n <= self.max_retries:
+            self.request_latest()
+
+    def _fetch(self, header: WeightHeader, locator: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        self._offer = None
+        t0 = time.perf_counter()
+        try:
+            arrays = self._from_shm(header, locator) if self.transport == "auto" else None
+            transport = "shm"
+            if arrays is None:
+                arrays, transport = self._from_socket(header), "tcp"
+        except WeightMessageError as e:
+            self._reject(header.version, e)
+            return None
+        except _Gone:
+            self._stats["gone"] += 1
+            self.request_latest()
+            return None
+        self.version = header.version
+        self._stats.update(
+            received=self._stats["received"] + 1, transport=transport, bytes=header.total_bytes
+        )
+        self._stats["fetch_s"] = time.perf_counter() - t0
+        return header.version, arrays
+
+    # ---- transports ------------------------------------------------------------------------------------
+    def _from_shm(self, header: WeightHeader, locator: dict[str, Any]) -> dict[str, Any] | None:
+        """The publisher's file mapped and verified in place; None when that file is not visible here."""
+        path = locator.get("path")
+        if not isinstance(path, str) or not os.path.basename(path).startswith("treeopsd-w-"):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None  # another host, another container, or already retired: use the socket
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (locator.get("dev"), locator.get("ino")):
+                return None  # same name, different file
+            if st.st_size != header.total_bytes:
+                raise WeightMessageError(
+                    f"v{header.version}: shared-memory file holds {st.st_size} bytes, header says "
+                    f"{header.total_bytes} (truncated?)"
+                )
+            buf: Any = bytearray()
+            if header.total_bytes:
+                # Private copy-on-write mapping: arrays are writable, pages stay shared until written.
+                buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+                with contextlib.suppress(OSError, ValueError):
+                    buf.madvise(_MADV_POPULATE_READ)
+        finally:
+            os.close(fd)
+        asm = WeightAssembler(header, buf)
+        asm.verify_buffer(self._pool.map if self._pool is not None else map)
+        return asm.finish(self.bfloat16)
+
+    def _from_socket(self, header: WeightHeader) -> dict[str, Any]:
+        """Pull every chunk with up to `window` GETs in flight; each chunk is checked on arrival."""
+        v, n = header.version, header.num_chunks
+        self._tag = (self._tag + 1) & 0xFFFFFFFF  # chunks of an earlier, abandoned fetch are ignored
+        asm = WeightAssembler(header)
+        sent = inflight = 0
+        deadline = time.monotonic() + self.fetch_timeout_s
+        while not asm.complete:
+            while inflight < self.window and sent < n:
+                self._sock.send_multipart([b"GET", META.pack(v, sent, self._tag)])
+                sent, inflight = sent + 1, inflight + 1
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                raise WeightMessageError(f"v{v}: timed out with chunks {asm.missing[:8]} of {n} missing")
+            frames = self._sock.recv_multipart(copy=False)
+            kind = frames[0].bytes
+            meta = frames[1].bytes if len(frames) > 1 else b""
+            if kind not in (b"CHUNK", b"GONE") or len(meta) != META.size:
+                self._on_message([f.bytes for f in frames])
+                continue
+            mv, index, tag = META.unpack(meta)
+            if (mv, tag) != (v, self._tag):
+                continue  # stale
+            if kind == b"GONE":
+                raise _Gone
+            if len(frames) != 3:
+                raise WeightMessageError(f"v{v}: chunk {index} message has {len(frames)} frames, expected 3")
+            asm.add_chunk(frames[2].buffer, index)
+            inflight -= 1
+        return asm.finish(self.bfloat16)

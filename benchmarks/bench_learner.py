@@ -1,0 +1,156 @@
+"""`treeopsd bench learner --json`: one learner step, tree-packed vs path-by-path, on (M,N) = (4,2) trees.
+
+Batch: 8 credited trees (the default `learner.batch_trees`) in 4 sequential mini-batches, TreeOPSD loss,
+AdamW; each tree has a ~60-token prompt, 4 trajectories of 2–5 turns (15–40 model tokens, ~40 observation
+tokens each) and 2 branches per trajectory. Every configuration trains its own copy of the same initial
+weights; repetitions are interleaved (packed, paths, packed, ...) so a noisy shared CPU hits all alike, and
+the median step time is reported. One torch thread.
+
+Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 / 4 layers as well):
+    packed_step_s        tree-packed step (every stored token once, block-sparse tree attention)
+    paths_step_s         path-by-path step: one causal sequence per leaf, varlen-packed without padding and
+                         run through the same attention kernel, so only the repeated prefixes differ
+    packed_speedup       paths_step_s / packed_step_s (goal ≥ 1.4)
+    paths_padded_step_s  path-by-path as right-padded rows with the model's own causal sdpa (naive baseline)
+    packed_dense_mask_step_s  tree-packed with the dense 4D float mask (eager/sdpa), tiny model only
+    tokens_packed, tokens_paths  tokens forwarded per step by each layout
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.policy.tiny_model import build_tiny_model, build_tokenizer
+from configs.schema import parse_config
+from learner.learner import Learner
+from learner.packing import pack_paths
+from system.backup import credit_rollout_tree
+from system.tree import RolloutTree
+from system.tree_build import TreeBuilder, choose_anchors
+
+
+def random_rollout_tree(
+    rng: np.random.Generator,
+    tree_id: str,
+    vocab: int,
+    m: int = 4,
+    n: int = 2,
+    prompt: tuple[int, int] = (50, 70),
+    turn: tuple[int, int] = (15, 40),
+    obs: tuple[int, int] = (35, 45),
+    turns: tuple[int, int] = (2, 5),
+    reward_p: float = 0.5,
+) -> RolloutTree:
+    """An initialize–expand tree with random token ids in [3, vocab) and random log-probs (§2.2–2.3).
+
+    Lengths are inclusive ranges; branches from anchor k take T' − k turns, T' ~ U{k+1..turns[1]}.
+    """
+
+    def draw(lo_hi: tuple[int, int], size: int | None = None) -> Any:
+        return rng.integers(lo_hi[0], lo_hi[1] + 1, size=size)
+
+    b = TreeBuilder(tree_id, rng.integers(3, vocab, draw(prompt)))
+
+    def chain(parent: int, length: int) -> list[int]:
+        ids = []
+        for _ in range(length):
+            size = int(draw(turn))
+            lp = np.log(rng.uniform(0.05, 1.0, size)).astype(np.float32)
+            parent = b.add_turn(parent, rng.integers(3, vocab, size), lp, rng.integers(3, vocab, draw(obs)))
+            ids.append(parent)
+        return ids
+
+    leaves = []
+    for _ in range(m):
+        t = int(draw(turns))
+        main = chain(0, t)
+        leaves.append(main[-1])
+        for k in choose_anchors(t, n, rng):
+            leaves.append(chain(main[k - 1], int(rng.integers(k + 1, max(turns[1], k + 1) + 1)) - k)[-1])
+    for leaf in leaves:
+        b.set_reward(leaf, float(rng.random() < reward_p))
+    return b.build()
+
+
+def _tokenizer():
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, int(rng.integers(2, 9)))) for _ in range(4000)]
+    return build_tokenizer([" ".join(words[i : i + 20]) for i in range(0, len(words), 20)], vocab_size=1024)
+
+
+def _learner(model, packed: bool, attention: str) -> Learner:
+    cfg = parse_config(
+        {"learner": {"batch_trees": 8, "minibatches": 4, "packed_forward": packed, "lr": 1e-4}}
+    )
+    return Learner(copy.deepcopy(model), cfg, attention=attention)
+
+
+def _time(learners: dict[str, Learner], trees: list[RolloutTree], reps: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in learners}
+    for rep in range(reps + 1):  # rep 0 warms up (allocator, plan caches, lazy init)
+        for name, learner in learners.items():
+            t0 = time.perf_counter()
+            learner.step(trees)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _bench_model(model, trees: list[RolloutTree], reps: int, dense: bool) -> dict[str, float]:
+    learners = {
+        "packed": _learner(model, True, "tree"),
+        "paths": _learner(model, False, "tree"),
+        "paths_padded": _learner(model, False, "mask"),
+    }
+    if dense:
+        learners["packed_dense_mask"] = _learner(model, True, "mask")
+    t = _time(learners, trees, reps)
+    out = {f"{k}_step_s": round(v, 4) for k, v in t.items()}
+    out["packed_speedup"] = round(t["paths"] / t["packed"], 3)
+    out["packed_speedup_vs_padded"] = round(t["paths_padded"] / t["packed"], 3)
+    return out
+
+
+def run(args) -> dict:
+    quick = bool(getattr(args, "quick", False))
+    torch.set_num_threads(1)
+    tok = _tokenizer()
+    rng = np.random.default_rng(0)
+    cfg = parse_config({})
+    trees = [credit_rollout_tree(random_rollout_tree(rng, f"t{i}", len(tok)), cfg.algo) for i in range(8)]
+    tokens_paths = int(pack_paths(trees).valid.sum())
+    shapes = (
+        {"tiny_h64_l2": (64, 2, 2, 1)} if quick else {"tiny_h64_l2": (64, 2, 2, 1), "h128_l4": (128, 4, 4, 2)}
+    )
+    models = {}
+    for name, (hidden, layers, heads, kv) in shapes.items():
+        model = build_tiny_model(
+            tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, max_positions=4096
+        )
+        model.config._attn_implementation = "sdpa"
+        models[name] = _bench_model(
+            model, trees, 1 if quick else 5, dense=name.startswith("tiny") and not quick
+        )
+    head = models["tiny_h64_l2"]
+    return {
+        "packed_step_s": head["packed_step_s"],
+        "paths_step_s": head["paths_step_s"],
+        "packed_speedup": head["packed_speedup"],
+        "tokens_packed": int(sum(t.num_tokens for t in trees)),
+        "tokens_paths": tokens_paths,
+        "paths_padded_step_s": head["paths_padded_step_s"],
+        "packed_speedup_vs_padded": head["packed_speedup_vs_padded"],
+        "models": models,
+        "trees": len(trees),
+        "leaves": int(sum(t.num_leaves for t in trees)),
+        "minibatches": 4,
+        "method": "treeopsd",
+        "threads": 1,
+    }

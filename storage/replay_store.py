@@ -1,0 +1,399 @@
+"""The durable replay store: rollout trees between samplers, the backup actor and the learner.
+
+Layout of a store directory::
+
+    treeopsd-store.json          marker {"format": "treeopsd.replay_store", "layout_version": 1}
+    LOCK                         flock held by the one writable ReplayStore (read-only opens skip it)
+    segments/<seq>.raw.arrow     one Arrow IPC file per put_raw commit (seq: 12 digits, increasing)
+    segments/<seq>.credited.arrow  one per put_credited commit
+    consumed.log                 append-only records {"op":"batch",k,ids} / {"op":"rewind",to}, crc32 each
+    quarantine/                  torn or corrupt files moved aside with a <name>.reason.json; never deleted
+
+Durability contract (what the tests check):
+  * put_raw / put_credited: returned ⇒ the whole commit is on disk (fsynced file, rename, fsynced dir).
+    Present after a crash ⇒ the commit was started; a commit interrupted before its rename leaves only a
+    temp file, which the next writable open quarantines. A reader never sees part of a commit.
+  * States: raw → credited (a credited copy supersedes the raw one, by tree_id) → consumed.
+  * take_raw leases uncredited trees to one backup for `lease_s` seconds (in memory). A crashed backup's
+    trees come back when the lease expires, on `release_raw`, or on reopen; crediting is idempotent (a
+    later credited copy replaces the earlier one and keeps its queue position).
+  * take_batch(n): the n oldest credited, unconsumed trees (by first credit commit) are recorded as batch
+    k = consumed_watermark() in consumed.log (fsynced) *before* returning. So after any restart nothing is
+    handed out twice. A crash after the record but before the learner trained batch k must not skip it: the
+    learner checkpoints the watermark w of batches it has trained and calls `rewind_to(w)` on resume, which
+    durably voids batches ≥ w and returns their trees to the queue at their old positions — with the same
+    n, take_batch then hands out the same batches k = w, w+1, … again. Trained at most once, none skipped.
+  * Recovery on a writable open: temp files, torn/corrupt segments (truncated, bad magic, unknown schema
+    version, failing tree validation, duplicate ids) and a torn consumed.log tail are moved to quarantine/
+    and listed in `recovery_report`; everything else stays readable. Read-only opens report, never move.
+
+Staleness admission (AReaL): capacity = (eta + v + 1)·B − produced, v = learner version, produced = trees in
+the store + outstanding reservations. `admit(n)` reserves min(n, capacity); a commit uses up reservations
+first; a crashed sampler's reservations come back with `release(n)` (or on reopen, as they are in memory).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from storage import store_files as sf
+from storage.store_files import Entry, Loc, StoreError
+from storage.tree_codec import decode_trees, encode_trees, flat_columns
+from system.tree import RolloutTree, validate_tree
+
+__all__ = ["ReplayStore", "StoreError", "VerifyResult", "verify_store"]
+
+log = logging.getLogger("treeopsd.store")
+
+
+class ReplayStore:
+    """Durable tree store over a directory (see the module docstring). One writable handle per directory."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        create: bool = True,
+        *,
+        readonly: bool = False,
+        validate: str = "full",
+        lease_s: float = 300.0,
+        eta: int | None = None,
+        batch_size: int | None = None,
+        cache_segments: int = 64,
+    ):
+        if validate not in ("full", "structure"):
+            raise ValueError(f"validate must be 'full' or 'structure', got {validate!r}")
+        self.root, self.readonly, self._validate = Path(directory), readonly, validate
+        self._lease_s, self._eta, self._batch_size, self._cache_n = lease_s, eta, batch_size, cache_segments
+        self._mu = threading.RLock()
+        self._segments: dict[int, tuple[Path, str, int]] = {}  # seq -> (path, kind, bytes)
+        self._raw: dict[str, Loc] = {}
+        self._credited: dict[str, Loc] = {}
+        self._uncredited: dict[str, None] = {}  # ordered set, raw commit order
+        self._pending: dict[str, None] = {}  # credited, unconsumed, in credit order
+        self._credit_pos: dict[str, int] = {}
+        self._summary: dict[str, sf.Summary] = {}
+        self._consumed: set[str] = set()
+        self._batches: list[list[str]] = []
+        self._leases: dict[str, float] = {}
+        self._cache = sf.SegmentCache(lambda seq: self._segments[seq][0], cache_segments)
+        self._learner_version, self._reserved = 0, 0
+        self.recovery_report: list[dict[str, Any]] = []
+        self._lock_fd, self._log = -1, None
+        if not readonly:
+            sf.init_or_check(self.root, create)
+            self._lock_fd = sf.lock_store(self.root)
+        else:
+            sf.init_or_check(self.root, create=False)
+        self._next_seq = 1
+        try:
+            good = self._load_log()
+            self._scan()
+            if not readonly:
+                self._log = sf.AppendLog(self.root / "consumed.log", good)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- open and recover -------------------------------------------------------------------------
+    def _problem(self, path: Path, reason: str, committed: bool, move: Path | None = None) -> None:
+        """Reports `path`; a writable open moves `move` (default: path itself) to quarantine/."""
+        entry = {"file": str(path), "reason": reason, "committed": committed, "moved_to": None}
+        if not self.readonly:
+            entry["moved_to"] = str(sf.quarantine(self.root, move or path, reason))
+            log.warning("replay store: quarantined %s: %s", path, reason)
+        self.recovery_report.append(entry)
+
+    def _load_log(self) -> int:
+        path = self.root / "consumed.log"
+        records, good, tail = sf.read_log(path)
+        self._batches = sf.replay_log(records, path)
+        self._consumed = {t for ids in self._batches for t in ids}
+        if tail:  # an append whose fsync never finished: its take_batch/rewind never returned
+            torn = self.root / "consumed.log.torn"
+            if not self.readonly:
+                sf.atomic_write_bytes(torn, tail)  # the bytes go to quarantine before the log is cut
+            self._problem(path, f"torn last record ({len(tail)} bytes) of an interrupted append", False, torn)
+        return good
+
+    def _scan(self) -> None:
+        segdir = self.root / "segments"
+        q = [p.name for p in sf.quarantined_files(self.root)]
+        names = sorted(os.listdir(segdir)) if segdir.is_dir() else []
+        seqs = [int(m[1]) for n in (*names, *q) if (m := re.search(r"(\d{12})\.", n))]
+        self._next_seq = max(seqs, default=0) + 1  # never reuse a number, even a quarantined one
+        for name in names:
+            path, m = segdir / name, sf.SEGMENT_RE.match(name)
+            if name.startswith(".tmp-"):
+                self._problem(
+                    path, "uncommitted temp file: its writer stopped before the commit's rename", False
+                )
+            elif m is None:
+                self._problem(path, "unexpected file in segments/", True)
+            else:
+                try:
+                    entries = sf.check_segment(path, int(m[1]), m[2], full=self._validate == "full")
+                    dup = [e[0] for e in entries if e[0] in self._raw] if m[2] == "raw" else []
+                    if dup:
+                        raise StoreError(f"tree ids {dup[:3]} were already committed by an earlier segment")
+                    self._apply(int(m[1]), path, m[2], entries)
+                except (*sf.BAD_SEGMENT, StoreError) as e:
+                    self._problem(path, f"{type(e).__name__}: {e}", True)
+
+    def _apply(self, seq: int, path: Path, kind: str, entries: list[Entry]) -> None:
+        self._segments[seq] = (path, kind, path.stat().st_size)
+        for tid, loc, summary in entries:
+            self._summary[tid] = summary
+            if kind == "raw":
+                self._raw[tid] = loc
+                if tid not in self._credited:
+                    self._uncredited[tid] = None
+                continue
+            self._credited[tid] = loc
+            self._uncredited.pop(tid, None)
+            self._leases.pop(tid, None)
+            if tid not in self._credit_pos:
+                self._credit_pos[tid] = len(self._credit_pos)
+                if tid not in self._consumed:
+                    self._pending[tid] = None
+
+    # ---- commits ------------------------------------------------------------------------------------
+    def _writable(self) -> None:
+        if self.readonly or self._log is None:
+            raise StoreError(f"{self.root}: store is read-only or closed")
+
+    def _commit(self, kind: str, trees: list[RolloutTree]) -> int:
+        self._writable()
+        if not trees:
+            raise ValueError("nothing to commit")
+        ids = [t.tree_id for t in trees]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"tree ids repeat within one commit: {sorted(ids)[:5]}")
+        for t in trees:
+            validate_tree(t)  # a tree failing validation never reaches disk
+        batch = encode_trees(trees)
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        path = self.root / "segments" / f"{seq:012d}.{kind}.arrow"
+        sf.write_segment(path, batch)
+        self._apply(seq, path, kind, sf.batch_entries(seq, 0, flat_columns(batch)))
+        return seq
+
+    def put_raw(self, trees: Iterable[RolloutTree]) -> int:
+        """Commits new trees atomically; returns the segment id. Tree ids must be new to the store."""
+        trees = list(trees)
+        with self._mu:
+            old = [t.tree_id for t in trees if t.tree_id in self._summary]
+            if old:
+                raise ValueError(f"tree ids already in the store: {old[:5]}")
+            seq = self._commit("raw", trees)
+            self._reserved = max(0, self._reserved - len(trees))
+            return seq
+
+    def put_credited(self, trees: Iterable[RolloutTree]) -> int:
+        """Commits credited copies (tree.credit set); each supersedes the raw copy of the same tree_id.
+
+        A tree with no raw copy is accepted too (a pipeline without a backup actor)."""
+        trees = list(trees)
+        with self._mu:
+            for t in trees:
+                if t.credit is None:
+                    raise ValueError(f"tree {t.tree_id!r}: put_credited needs a tree with credit")
+                s = self._summary.get(t.tree_id)
+                if s is not None and s.nodes != len(t.nodes):
+                    raise ValueError(f"tree {t.tree_id!r}: {len(t.nodes)} nodes but stored with {s.nodes}")
+            return self._commit("credited", trees)
+
+    # ---- reads --------------------------------------------------------------------------------------
+    def _current(self, tid: str) -> Loc:
+        return self._credited.get(tid) or self._raw[tid]
+
+    def read_columns(
+        self, tree_ids: Iterable[str] | None = None, columns: list[str] | None = None
+    ) -> pa.Table:
+        """Current copies of the given trees (all if None) as a table over the mapped files, no copy."""
+        with self._mu:
+            ids = list(self._summary) if tree_ids is None else list(tree_ids)
+            table = self._cache.table([self._current(t) for t in ids])
+        return table if columns is None else table.select(columns)
+
+    def get_trees(self, tree_ids: Iterable[str]) -> list[RolloutTree]:
+        return decode_trees(self.read_columns(tree_ids), str(self.root))
+
+    def tree_ids(self, state: str | None = None) -> list[str]:
+        """Ids in a state ("raw" = uncredited, "credited" = waiting for a batch, "consumed"), or all."""
+        with self._mu:
+            pick = {None: self._summary, "raw": self._uncredited, "credited": self._pending}
+            return sorted(self._consumed) if state == "consumed" else list(pick[state])
+
+    def take_raw(self, max_trees: int) -> list[RolloutTree]:
+        """Leases up to max_trees uncredited trees (raw commit order) to the calling backup."""
+        with self._mu:
+            now, out = time.monotonic(), []
+            for tid in self._uncredited:
+                if len(out) >= max_trees:
+                    break
+                if self._leases.get(tid, 0.0) <= now:
+                    out.append(tid)
+            self._leases.update((t, now + self._lease_s) for t in out)
+            return decode_trees(self._cache.table([self._raw[t] for t in out]), str(self.root)) if out else []
+
+    def release_raw(self, tree_ids: Iterable[str]) -> None:
+        with self._mu:
+            for t in tree_ids:
+                self._leases.pop(t, None)
+
+    def take_batch_ids(self, n: int) -> list[str] | None:
+        """Records batch k = consumed_watermark() durably and returns its tree ids; None if < n credited."""
+        if n <= 0:
+            raise ValueError(f"batch size must be positive, got {n}")
+        with self._mu:
+            self._writable()
+            if len(self._pending) < n:
+                return None
+            ids = list(itertools.islice(self._pending, n))
+            self._log.append({"op": "batch", "k": len(self._batches), "ids": ids})
+            self._batches.append(ids)
+            self._consumed.update(ids)
+            for t in ids:
+                del self._pending[t]
+            return ids
+
+    def take_batch_table(self, n: int) -> pa.Table | None:
+        ids = self.take_batch_ids(n)
+        return None if ids is None else self.read_columns(ids)
+
+    def take_batch(self, n: int) -> list[RolloutTree] | None:
+        """A fixed rollout batch of n credited trees, handed out exactly once (see rewind_to)."""
+        table = self.take_batch_table(n)
+        return None if table is None else decode_trees(table, str(self.root))
+
+    def consumed_watermark(self) -> int:
+        """Batches handed out so far = the id the next take_batch gets. The learner checkpoints this."""
+        with self._mu:
+            return len(self._batches)
+
+    def batch_tree_ids(self, k: int) -> list[str]:
+        with self._mu:
+            return list(self._batches[k])
+
+    def rewind_to(self, watermark: int) -> int:
+        """Durably voids batches ≥ watermark (handed out, never trained); returns how many trees came back."""
+        with self._mu:
+            self._writable()
+            if not 0 <= watermark <= len(self._batches):
+                raise ValueError(f"watermark {watermark} outside 0..{len(self._batches)}")
+            if watermark == len(self._batches):
+                return 0
+            self._log.append({"op": "rewind", "to": watermark})
+            back = [t for ids in self._batches[watermark:] for t in ids]
+            del self._batches[watermark:]
+            self._consumed.difference_update(back)
+            self._pending.update((t, None) for t in back if t in self._credited)
+            self._pending = dict.fromkeys(sorted(self._pending, key=self._credit_pos.__getitem__))
+            return len(back)
+
+    # ---- staleness admission -------------------------------------------------------------------------
+    def set_learner_version(self, version: int) -> None:
+        with self._mu:
+            self._learner_version = int(version)
+
+    def admission_capacity(self, eta: int | None = None, batch_size: int | None = None) -> int:
+        """(eta + v + 1)·B − produced; may be negative when the learner fell behind."""
+        eta = self._eta if eta is None else eta
+        b = self._batch_size if batch_size is None else batch_size
+        if eta is None or b is None:
+            raise ValueError("admission needs eta and batch_size (constructor or call)")
+        with self._mu:
+            return (eta + self._learner_version + 1) * b - (len(self._summary) + self._reserved)
+
+    def admit(self, n: int, eta: int | None = None, batch_size: int | None = None) -> int:
+        """Reserves up to n tree starts for a sampler; returns how many were granted."""
+        with self._mu:
+            granted = max(0, min(n, self.admission_capacity(eta, batch_size)))
+            self._reserved += granted
+            return granted
+
+    def release(self, n: int) -> None:
+        """Returns unused reservations (a sampler crashed or stopped before committing them)."""
+        with self._mu:
+            self._reserved = max(0, self._reserved - n)
+
+    # ---- reporting and lifetime ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._mu:
+            now = time.monotonic()
+            versions: Counter[int] = Counter()
+            for s in self._summary.values():
+                versions.update(dict(s.versions))
+            kinds = Counter(kind for _, kind, _ in self._segments.values())
+            return {
+                "trees": {
+                    "raw": len(self._uncredited),
+                    "leased": sum(1 for t in self._uncredited if self._leases.get(t, 0.0) > now),
+                    "credited": len(self._pending),
+                    "consumed": len(self._consumed),
+                    "total": len(self._summary),
+                },
+                "nodes": sum(s.nodes for s in self._summary.values()),
+                "leaves": sum(s.leaves for s in self._summary.values()),
+                "tokens": sum(s.tokens for s in self._summary.values()),
+                "policy_versions": {str(int(v)): int(c) for v, c in sorted(versions.items())},
+                "segments": {
+                    "raw": kinds["raw"],
+                    "credited": kinds["credited"],
+                    "total": len(self._segments),
+                },
+                "bytes": sum(size for _, _, size in self._segments.values()),
+                "quarantined": len(sf.quarantined_files(self.root)),
+                "batches_handed_out": len(self._batches),
+                "admission": {"learner_version": self._learner_version, "reserved": self._reserved},
+            }
+
+    def close(self) -> None:
+        with self._mu:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = -1
+            self._cache.clear()
+
+    def __enter__(self) -> ReplayStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    errors: list[str]
+    notes: list[str]
+    stats: dict[str, Any]
+
+
+def verify_store(directory: str | os.PathLike) -> VerifyResult:
+    """Read-only check (moves nothing): every committed segment decodes and every tree validates."""
+    try:
+        store = ReplayStore(directory, create=False, readonly=True)
+    except StoreError as e:
+        return VerifyResult(False, [str(e)], [], {})
+    with store:
+        report = store.recovery_report
+        errors = [f"{r['file']}: {r['reason']}" for r in report if r["committed"]]
+        notes = [f"{r['file']}: {r['reason']} (not a committed tree)" for r in report if not r["committed"]]
+        return VerifyResult(not errors, errors, notes, store.stats())

@@ -1,0 +1,284 @@
+"""Leaf standardization and credit backup over a rollout tree (algorithm.md §3).
+
+A tree is a *parent array*: ``parents[i]`` is the index of turn i's parent turn, or -1 when turn i is a first
+turn (a child of the prompt x, which is not a node). Nodes may be numbered in any order. Leaves are the nodes
+without children; they carry the K rewards.
+
+Formulas (float64 throughout):
+
+    z_j = (R_j - mean(R)) / (sd_1(R) + 1e-6)      sd_1 = sample std (ddof = 1); z = 0 if K < 2 or sd_1 < 1e-12
+    V_leaf = z_leaf
+    V_i = sum_{c in C(i)} w_ic V_c                 w_ic >= 0, sum_c w_ic = 1 (post-order)
+
+Backup weights, w_ic proportional to (normalized over the siblings, in log space with a max shift):
+
+    uniform         1
+    geo_likelihood  exp(logprob_sum_c / len_c); a child with len_c = 0 (no model tokens) gets exp(0) = 1,
+                    i.e. it is treated like a turn whose tokens all had probability one
+    seq_likelihood  exp(logprob_sum_c) = mu(turn c); never under/overflows thanks to the shift
+    leaf_count      number of leaves under c (so V_i = mean of the leaf z under i)
+
+``credit="pointwise"`` (default) returns V. ``credit="listwise"`` is the ablation and returns the advantage
+A_i = V_i - V_parent(i); for a first turn the parent is the prompt, whose value V_root = sum_c w_root,c V_c is
+the backup over the first turns with the same weights. Note sum_c w_ic A_c = 0 for every internal node.
+
+Everything is vectorized: depths come from pointer doubling (which also finds cycles), and the backup runs
+one numpy step per depth level, deepest first, so the cost is O(n log n + depth) numpy work.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+WeightName = Literal["uniform", "geo_likelihood", "seq_likelihood", "leaf_count"]
+CreditName = Literal["pointwise", "listwise"]
+WEIGHT_OPTIONS: tuple[str, ...] = ("uniform", "geo_likelihood", "seq_likelihood", "leaf_count")
+CREDIT_OPTIONS: tuple[str, ...] = ("pointwise", "listwise")
+
+STD_EPS = 1e-6  # the epsilon in the z denominator (§3.1)
+ZERO_STD = 1e-12  # below this sample std the tree counts as zero-variance (§10)
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+def standardize_rewards(rewards: npt.ArrayLike) -> FloatArray:
+    """z_j = (R_j - mean) / (sd_ddof1 + 1e-6); all zeros when K < 2 or sd_ddof1 < 1e-12.
+
+    ddof = 1 is what makes |z| <= (K-1)/sqrt(K) and hence the teacher bound hold (algorithm.md §6a).
+    Raises ValueError naming the first index whose reward is NaN or infinite.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
+    bad = np.flatnonzero(~np.isfinite(r))
+    if bad.size:
+        raise ValueError(f"reward at index {int(bad[0])} is not finite ({float(r[bad[0]])})")
+    if r.size < 2:
+        return np.zeros_like(r)
+    sd = float(np.std(r, ddof=1))
+    if sd < ZERO_STD:
+        return np.zeros_like(r)
+    return (r - r.mean()) / (sd + STD_EPS)
+
+
+def _as_parents(parents: npt.ArrayLike) -> IntArray:
+    """Validate shape/range and return int64 parents (no cycle check here)."""
+    p = np.asarray(parents)
+    if p.ndim != 1:
+        raise ValueError(f"parents must be 1-D, got shape {p.shape}")
+    if p.dtype.kind == "f" and p.size and not np.all(np.isfinite(p) & (p == np.round(p))):
+        bad = int(np.flatnonzero(~(np.isfinite(p) & (p == np.round(p))))[0])
+        raise ValueError(f"parents[{bad}] = {float(p[bad])} is not an integer node index")
+    if p.dtype.kind not in "iuf" and p.size:
+        raise ValueError(f"parents must be integers, got dtype {p.dtype}")
+    p = p.astype(np.int64)
+    n = p.size
+    bad = np.flatnonzero((p < -1) | (p >= n))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"parent of node {i} is {int(p[i])}, outside [-1, {n - 1}]")
+    return p
+
+
+def _depths_checked(p: IntArray) -> IntArray:
+    """Depth of every node (first turn = 1) by pointer doubling; ValueError on a cycle."""
+    n = p.size
+    # Node n is a sentinel standing for the prompt; it points to itself.
+    jump = np.where(p < 0, n, p)
+    jump = np.append(jump, n)
+    dist = np.ones(n + 1, dtype=np.int64)
+    dist[n] = 0
+    # After k rounds jump[i] is the 2^k-th ancestor; 2^k >= n+1 reaches the prompt unless on a cycle.
+    for _ in range(max(1, int(n).bit_length() + 1)):
+        if np.all(jump == n):
+            break
+        dist = dist + dist[jump]
+        jump = jump[jump]
+    stuck = np.flatnonzero(jump[:n] != n)
+    if stuck.size:
+        # jump of a stuck node is on its cycle once 2^k >= n.
+        on_cycle = int(jump[stuck[0]])
+        raise ValueError(f"parents contain a cycle (through node {on_cycle}); every node must reach -1")
+    return dist[:n]
+
+
+def tree_depths(parents: npt.ArrayLike) -> IntArray:
+    """Number of turns from the prompt down to each node, inclusive: a first turn has depth 1.
+
+    Validates ``parents`` (range, cycles) like ``backup_credit``.
+    """
+    return _depths_checked(_as_parents(parents))
+
+
+def leaf_mask(parents: npt.ArrayLike) -> BoolArray:
+    """True for nodes that are nobody's parent (terminal turns, the K rewarded leaves)."""
+    p = _as_parents(parents)
+    has_child = np.zeros(p.size, dtype=bool)
+    has_child[p[p >= 0]] = True
+    return ~has_child
+
+
+def _levels(depth: IntArray) -> list[IntArray]:
+    """Node indices grouped by depth, deepest level first."""
+    if depth.size == 0:
+        return []
+    order = np.argsort(-depth, kind="stable")
+    d_sorted = depth[order]
+    cuts = np.flatnonzero(np.diff(d_sorted)) + 1
+    return np.split(order, cuts)
+
+
+def _accumulate(slot: IntArray, levels: list[IntArray], init: FloatArray, w: FloatArray) -> FloatArray:
+    """Bottom-up pass: out[slot[i]] += w[i] * out[i], level by level, deepest first.
+
+    ``slot`` is the parent with the prompt mapped to index n; ``init`` has length n+1. Children of a node
+    are all one level deeper, so a node's total is complete before its own level is pushed up.
+    """
+    out = init.copy()
+    for idx in levels:
+        if idx.size == 1:  # chains: scalar path avoids ufunc.at overhead
+            i = int(idx[0])
+            out[slot[i]] += w[i] * out[i]
+        else:
+            np.add.at(out, slot[idx], w[idx] * out[idx])
+    return out
+
+
+def _check_leaf_values(leaf: BoolArray, values: FloatArray) -> None:
+    bad_leaf = np.flatnonzero(leaf & ~np.isfinite(values))
+    if bad_leaf.size:
+        i = int(bad_leaf[0])
+        raise ValueError(f"leaf node {i} needs a finite value, got {float(values[i])}")
+    bad_inner = np.flatnonzero(~leaf & ~np.isnan(values))
+    if bad_inner.size:
+        i = int(bad_inner[0])
+        raise ValueError(f"internal node {i} has value {float(values[i])}; internal nodes must be NaN")
+
+
+def _per_node(name: str, arr: npt.ArrayLike | None, n: int, weights: str) -> FloatArray:
+    if arr is None:
+        raise ValueError(f"weights={weights!r} needs {name}")
+    a = np.asarray(arr, dtype=np.float64)
+    if a.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {a.shape}")
+    bad = np.flatnonzero(~np.isfinite(a))
+    if bad.size:
+        raise ValueError(f"{name}[{int(bad[0])}] is not finite ({float(a[bad[0]])})")
+    return a
+
+
+def _log_weights(
+    weights: str,
+    n: int,
+    leaf_counts: FloatArray | None,
+    turn_logprob_sums: npt.ArrayLike | None,
+    turn_lengths: npt.ArrayLike | None,
+) -> FloatArray:
+    """Unnormalized log w_c for every node c (its weight within its own parent)."""
+    if weights == "uniform":
+        return np.zeros(n)
+    if weights == "leaf_count":
+        assert leaf_counts is not None
+        return np.log(leaf_counts)
+    lp = _per_node("turn_logprob_sums", turn_logprob_sums, n, weights)
+    if weights == "seq_likelihood":
+        return lp
+    lengths = _per_node("turn_lengths", turn_lengths, n, weights)
+    if np.any(lengths < 0):
+        raise ValueError(f"turn_lengths[{int(np.flatnonzero(lengths < 0)[0])}] is negative")
+    # Zero-token turn: log w = 0 (weight 1, a per-token probability of one); it has no tokens to average.
+    return np.divide(lp, lengths, out=np.zeros(n), where=lengths > 0)
+
+
+def _normalize(slot: IntArray, logw: FloatArray, n: int) -> FloatArray:
+    """Softmax of log w over each sibling group (grouped by ``slot``), with a per-group max shift."""
+    gmax = np.full(n + 1, -np.inf)
+    np.maximum.at(gmax, slot, logw)
+    e = np.exp(logw - gmax[slot])  # the max child of each group gets exp(0) = 1, so sums are >= 1
+    total = np.bincount(slot, weights=e, minlength=n + 1)
+    return e / total[slot]
+
+
+def backup_weights(
+    parents: npt.ArrayLike,
+    weights: WeightName | str = "uniform",
+    turn_logprob_sums: npt.ArrayLike | None = None,
+    turn_lengths: npt.ArrayLike | None = None,
+) -> FloatArray:
+    """Normalized weight w_{parent(c), c} of every node c; the weights of each sibling group sum to 1.
+
+    First turns are one sibling group (children of the prompt). Validates like ``backup_credit``.
+    """
+    p = _as_parents(parents)
+    return _weights_and_levels(p, _depths_checked(p), weights, turn_logprob_sums, turn_lengths)[0]
+
+
+def _weights_and_levels(
+    p: IntArray,
+    depth: IntArray,
+    weights: str,
+    turn_logprob_sums: npt.ArrayLike | None,
+    turn_lengths: npt.ArrayLike | None,
+) -> tuple[FloatArray, IntArray, list[IntArray]]:
+    if weights not in WEIGHT_OPTIONS:
+        raise ValueError(f"weights must be one of {WEIGHT_OPTIONS}, got {weights!r}")
+    n = p.size
+    levels = _levels(depth)
+    slot = np.where(p < 0, n, p)
+    counts = None
+    if weights == "leaf_count":
+        leaf = np.ones(n + 1)
+        leaf[np.unique(slot)] = 0.0  # internal nodes (and the prompt slot) start at zero
+        counts = _accumulate(slot, levels, leaf, np.ones(n))[:n]
+    logw = _log_weights(weights, n, counts, turn_logprob_sums, turn_lengths)
+    return _normalize(slot, logw, n), slot, levels
+
+
+def backup_credit(
+    parents: npt.ArrayLike,
+    leaf_values: npt.ArrayLike,
+    weights: WeightName | str = "uniform",
+    turn_logprob_sums: npt.ArrayLike | None = None,
+    turn_lengths: npt.ArrayLike | None = None,
+    credit: CreditName | str = "pointwise",
+) -> FloatArray:
+    """Backed-up credit for every node (module docstring has the formulas).
+
+    Args:
+        parents: (n,) parent turn of each node, -1 for a first turn; any node order.
+        leaf_values: (n,) standardized reward z on leaves, NaN on internal nodes.
+        weights: backup weight option (see module docstring).
+        turn_logprob_sums: (n,) sum of behavior log-probs of each turn's model tokens (likelihood weights).
+        turn_lengths: (n,) number of model tokens ell_i of each turn (geo_likelihood).
+        credit: "pointwise" -> V_i; "listwise" (ablation) -> V_i - V_parent(i).
+
+    Returns:
+        (n,) float64 V (or A for listwise).
+
+    Raises:
+        ValueError: parents out of range or cyclic, leaf without a finite value, internal node with a value,
+        unknown option, or missing/non-finite log-prob inputs.
+    """
+    if credit not in CREDIT_OPTIONS:
+        raise ValueError(f"credit must be one of {CREDIT_OPTIONS}, got {credit!r}")
+    p = _as_parents(parents)
+    n = p.size
+    values = np.asarray(leaf_values, dtype=np.float64)
+    if values.shape != (n,):
+        raise ValueError(f"leaf_values must have shape ({n},) like parents, got {values.shape}")
+    depth = _depths_checked(p)  # cycle errors first: on a cycle the leaf/internal split is meaningless
+    has_child = np.zeros(n, dtype=bool)
+    has_child[p[p >= 0]] = True
+    _check_leaf_values(~has_child, values)
+    w, slot, levels = _weights_and_levels(p, depth, weights, turn_logprob_sums, turn_lengths)
+    init = np.zeros(n + 1)
+    init[:n][~has_child] = values[~has_child]
+    v = _accumulate(slot, levels, init, w)
+    if credit == "listwise":
+        return v[:n] - v[slot]  # v[n] is the prompt's backed-up value
+    return v[:n]

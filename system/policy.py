@@ -1,0 +1,67 @@
+"""The policy-backend interface the sampler talks through (vLLM on GPU/CPU, HF transformers for tiny models).
+
+Token-in/token-out: a request carries the full context as token ids and gets back the sampled token ids and
+their log-probs under the sampling distribution (temperature 1, top-p 1 by default, so the log-probs are the
+behavior policy's). Nothing here re-tokenizes text.
+
+Usage::
+
+    backend.load_weights(named_tensors, version=3)
+    [res] = backend.sample([SampleRequest(context=ids, max_new_tokens=64, stop_token_ids=(eos,))])
+    res.token_ids, res.logprobs, res.finish_reason, backend.version
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One turn to sample. `cache_key`/`parent_key` let a backend reuse the KV of an earlier context.
+
+    `parent_key` names an earlier request's `cache_key`; the backend must check that the stored ids are a
+    prefix of `context` (or crop to the common prefix) before reusing anything. Backends with automatic
+    prefix caching (vLLM) may ignore both keys.
+    """
+
+    context: Sequence[int]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    cache_key: str | None = None
+    parent_key: str | None = None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under the sampling distribution
+    finish_reason: str  # "stop" (a stop token was sampled; it is included) | "length"
+    cached_prefix_tokens: int = 0  # context tokens served from a cache (prefix reuse), for metrics
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class PolicyBackend(Protocol):
+    """Samples turns and scores token ids; takes new weights in place."""
+
+    version: int
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]: ...
+
+    def score(self, context: Sequence[int], start: int) -> list[float]:
+        """Log-probs of context[start:] given their prefixes (for token-in/token-out checks)."""
+        ...
+
+    def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
+
+    def close(self) -> None: ...

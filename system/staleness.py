@@ -1,0 +1,31 @@
+"""Staleness and batch summaries of a fixed rollout batch (pure; logged by the learner's shell).
+
+A tree's version lag is the learner's version when it trains the tree minus the oldest policy version that
+sampled any of its turns (the per-path bound counts the oldest behavior policy, as prime-rl does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from system.tree import RolloutTree
+
+
+def version_lags(trees: Sequence[RolloutTree], learner_version: int) -> np.ndarray:
+    return np.array([learner_version - int(t.versions.min()) for t in trees], dtype=np.int64)
+
+
+def batch_metrics(trees: Sequence[RolloutTree], learner_version: int) -> dict[str, float]:
+    lags = version_lags(trees, learner_version)
+    rewards = np.concatenate([t.leaf_rewards() for t in trees])
+    return {
+        "store/stale_trees": float((lags > 0).sum()),
+        "weights/version_lag": float(lags.mean()),
+        "weights/version_lag_max": float(lags.max()),
+        "reward/mean": float(rewards.mean()),
+        "tree/leaves": float(np.mean([t.num_leaves for t in trees])),
+        "tree/depth": float(max(int(n.depth) for t in trees for n in t.nodes)),
+        "tree/tokens": float(sum(t.num_tokens for t in trees)),
+    }

@@ -1,0 +1,115 @@
+"""Initialize–expand bookkeeping (algorithm.md §2): anchor choice and node-id assignment by construction.
+
+The sampler runs the environment; this module only decides where branches go and hands out node ids, so
+that every turn appears once and the merged tree needs no string matching.
+
+Anchors of a trajectory with T turns are the non-terminal boundaries 𝒜 = {1, …, T−1}; boundary k is the
+state after turn a_k and its observation o_k, so a branch from k hangs under a_k's node and may take at most
+`max_turns − k` turns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from system.tree import ROOT, RolloutTree, TurnNode, make_node
+
+
+def choose_anchors(num_turns: int, n: int, rng: np.random.Generator) -> list[int]:
+    """N anchors on {1..T−1}: without replacement if |𝒜| ≥ N, with replacement if 1 ≤ |𝒜| < N, none at T=1."""
+    k = num_turns - 1
+    if n <= 0 or k < 1:
+        return []
+    picks = rng.choice(np.arange(1, num_turns), size=n, replace=k < n)
+    return sorted(int(a) for a in picks)
+
+
+def plan_anchors(
+    turn_counts: Sequence[int], n: int, rng: np.random.Generator, shortfall: str = "skip"
+) -> list[tuple[int, int]]:
+    """(trajectory, anchor) pairs for a prompt's M trajectories.
+
+    shortfall="skip": a trajectory with T = 1 gets no branches (K shrinks).
+    shortfall="reallocate": its N branches go to trajectories that have anchors, round-robin.
+    """
+    if shortfall not in ("skip", "reallocate"):
+        raise ValueError(f"anchor_shortfall must be 'skip' or 'reallocate', got {shortfall!r}")
+    plan = [(m, a) for m, t in enumerate(turn_counts) for a in choose_anchors(t, n, rng)]
+    if shortfall == "reallocate":
+        donors = [m for m, t in enumerate(turn_counts) if t >= 2]
+        missing = n * sum(1 for t in turn_counts if t < 2)
+        for j in range(missing if donors else 0):
+            m = donors[j % len(donors)]
+            plan.append((m, int(rng.integers(1, turn_counts[m]))))
+    return sorted(plan)
+
+
+class TreeBuilder:
+    """Hands out node ids as turns are appended; `build()` validates and freezes the tree."""
+
+    def __init__(self, tree_id: str, prompt_tokens: Sequence[int], prompt_id: str = "", meta=None):
+        self.tree_id, self.prompt_id, self.meta = tree_id, prompt_id, dict(meta or {})
+        self._nodes: list[TurnNode] = [make_node(ROOT, -1, 0, obs_tokens=prompt_tokens)]
+
+    def add_turn(
+        self,
+        parent: int,
+        tokens: Sequence[int],
+        logprobs: Sequence[float],
+        obs_tokens: Sequence[int] = (),
+        loss_mask: Sequence[bool] | None = None,
+        policy_version: int = 0,
+    ) -> int:
+        node_id = len(self._nodes)
+        depth = self._nodes[parent].depth + 1
+        self._nodes.append(
+            make_node(node_id, parent, depth, tokens, loss_mask, logprobs, obs_tokens, policy_version)
+        )
+        return node_id
+
+    def set_observation(self, node_id: int, obs_tokens: Sequence[int]) -> None:
+        n = self._nodes[node_id]
+        self._nodes[node_id] = make_node(
+            n.node_id,
+            n.parent,
+            n.depth,
+            n.tokens,
+            n.loss_mask,
+            n.behavior_logprobs,
+            obs_tokens,
+            n.policy_version,
+        )
+
+    def set_reward(self, node_id: int, reward: float) -> None:
+        n = self._nodes[node_id]
+        self._nodes[node_id] = make_node(
+            n.node_id,
+            n.parent,
+            n.depth,
+            n.tokens,
+            n.loss_mask,
+            n.behavior_logprobs,
+            n.obs_tokens,
+            n.policy_version,
+            reward,
+        )
+
+    def node(self, node_id: int) -> TurnNode:
+        return self._nodes[node_id]
+
+    def context_tokens(self, node_id: int) -> list[int]:
+        """Prompt + every turn and observation on the path to `node_id` (inclusive): a branch's prefix."""
+        path = []
+        while node_id != -1:
+            path.append(self._nodes[node_id])
+            node_id = self._nodes[node_id].parent
+        out: list[int] = []
+        for n in reversed(path):
+            out.extend(n.tokens.tolist())
+            out.extend(n.obs_tokens.tolist())
+        return out
+
+    def build(self) -> RolloutTree:
+        return RolloutTree.build(self.tree_id, self._nodes, self.prompt_id, self.meta)

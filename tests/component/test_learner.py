@@ -1,0 +1,226 @@
+"""The learner step (learner/learner.py) and checkpoints (storage/checkpoint.py) on the tiny Qwen2 model."""
+
+import dataclasses
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from actors.policy.tiny_model import build_tiny_model, build_tokenizer
+from benchmarks.bench_learner import random_rollout_tree
+from configs.schema import parse_config
+from learner.forward import token_logprobs
+from learner.learner import Learner
+from learner.packing import pack_tree
+from storage.checkpoint import load_latest
+from system.backup import credit_rollout_tree
+from system.tree import RolloutTree
+
+torch.set_num_threads(1)
+SMALL = {"prompt": (4, 8), "turn": (3, 6), "obs": (2, 4), "turns": (1, 3)}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(["the quick brown fox jumps over the lazy dog"] * 4, vocab_size=300)
+
+
+def config(**sections):
+    data = {"algo": {"rho": 0.4}, "learner": {"minibatches": 2, "lr": 3e-3}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return parse_config(data)
+
+
+def make_trees(tok, n=3, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    algo = config().algo
+    return [
+        credit_rollout_tree(random_rollout_tree(rng, f"t{i}", len(tok), **{**SMALL, **kw}), algo)
+        for i in range(n)
+    ]
+
+
+def on_policy(model, trees: list[RolloutTree]) -> list[RolloutTree]:
+    """The same trees with μ := the model's own log-probs (s ≡ 0 before any update)."""
+    out = []
+    for tree in trees:
+        p = pack_tree(tree)
+        with torch.no_grad():
+            lp = token_logprobs(model, p)[0].numpy()
+        new = {n.node_id: n.behavior_logprobs.copy() for n in tree.nodes}
+        for c in np.flatnonzero(p.turn_ids[0].numpy() >= 0):
+            new[int(p.turn_ids[0, c]) + 1][int(p.token_offset[0, c])] = lp[c]
+        nodes = [dataclasses.replace(n, behavior_logprobs=new[n.node_id]) for n in tree.nodes]
+        out.append(RolloutTree.build(tree.tree_id, nodes, credit=tree.credit))
+    return out
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def turn_s(model, tree: RolloutTree) -> tuple[np.ndarray, np.ndarray]:
+    """(s_i, log r*_i) for the turns of `tree` with loss tokens."""
+    p = pack_tree(tree)
+    with torch.no_grad():
+        lp = token_logprobs(model, p)[0]
+    on = p.turn_ids[0] >= 0
+    ids = p.turn_ids[0][on]
+    d = (lp[on] - p.behavior_logp[0][on]).double()
+    n = len(tree.nodes) - 1
+    ell = torch.zeros(n, dtype=torch.float64).index_add(0, ids, torch.ones_like(d))
+    s = torch.zeros(n, dtype=torch.float64).index_add(0, ids, d) / ell.clamp(min=1)
+    q = tree.credit.q[1:]
+    keep = ell.numpy() > 0
+    return s.numpy()[keep], np.log(q / (1 - q))[keep]
+
+
+def test_step_moves_s_toward_the_target_and_lowers_the_loss(tok):
+    model = build_tiny_model(tok, seed=1)
+    trees = on_policy(model, make_trees(tok, n=2, seed=3))
+    learner = Learner(model, config(learner={"minibatches": 1}))
+    before = flat_params(model)
+    kls = [learner.step(trees)["learner/mb0/kl_to_target"]]
+    assert not torch.equal(before, flat_params(model)) and learner.version == 1
+    for _ in range(14):
+        kls.append(learner.step(trees)["learner/mb0/kl_to_target"])
+    # mb0's KL is measured before each update: it falls as s_i approaches log r*_i (the unique minimizer)
+    assert kls[-1] < 0.3 * kls[0], kls
+    gaps0, gaps1, agree = [], [], []
+    for tree in trees:
+        s, target = turn_s(model, tree)
+        big = np.abs(target) > 0.05
+        gaps0.append(np.abs(target[big]))  # s = 0 at the start
+        gaps1.append(np.abs(s[big] - target[big]))
+        agree.append(np.sign(s[big]) == np.sign(target[big]))
+    assert np.mean(np.concatenate(gaps1)) < 0.5 * np.mean(np.concatenate(gaps0))
+    assert np.mean(np.concatenate(agree)) > 0.8
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.0])
+def test_grad_clipping_bounds_the_update(tok, clip):
+    model = build_tiny_model(tok, seed=2)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # update = −(clipped) gradient
+    learner = Learner(model, config(learner={"minibatches": 1, "grad_clip": clip}), optimizer=sgd)
+    before = flat_params(model)
+    stats = learner.step(make_trees(tok, seed=4))
+    moved = float((flat_params(model) - before).norm())
+    assert stats["learner/grad_norm"] > 1e-2  # reported before clipping
+    expected = clip if clip > 0 else stats["learner/grad_norm"]
+    assert moved == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("method", ["treeopsd", "grpo", "gspo", "treepo"])
+def test_each_method_steps_with_finite_stats_and_packed_equals_paths(tok, method):
+    trees = make_trees(tok, n=4, seed=5)
+    results = []
+    for packed in (True, False):
+        model = build_tiny_model(tok, seed=3)
+        cfg = config(algo={"method": method}, learner={"packed_forward": packed})
+        # SGD: the update is linear in the gradient (Adam would blow float noise on ~0 gradients up to ±lr)
+        stats = Learner(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).step(trees)
+        assert all(np.isfinite(v) for v in stats.values()), stats
+        for key in ("loss", "mean_abs_s", "overshoot_frac"):
+            assert f"learner/mb0/{key}" in stats and f"learner/mb1/{key}" in stats
+        for key in ("loss", "grad_norm", "tokens", "step_s", "kl_to_target", "mismatch_kl"):
+            assert f"learner/{key}" in stats
+        results.append((stats, flat_params(model)))
+    (packed, w_packed), (paths, w_paths) = results
+    assert packed["learner/tokens"] < paths["learner/tokens"]  # shared prefixes forwarded once
+    for k in ("learner/mb0/loss", "learner/mb1/loss", "learner/mb0/grad_norm"):
+        assert packed[k] == pytest.approx(paths[k], rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(w_packed, w_paths, atol=1e-6, rtol=0)
+
+
+def test_zero_variance_trees_are_dropped_only_when_asked(tok):
+    trees = make_trees(tok, n=3, seed=6)
+    flat = make_trees(tok, n=1, seed=7, reward_p=0.0)  # every leaf reward 0
+    for mode, kept in (("drop", 3), ("keep", 4)):
+        stats = Learner(build_tiny_model(tok), config(algo={"zero_var_trees": mode})).step([*trees, *flat])
+        assert stats["learner/trees"] == kept
+        assert stats["learner/dropped_trees"] == 4 - kept
+    learner = Learner(build_tiny_model(tok), config(algo={"zero_var_trees": "drop"}))
+    before = flat_params(learner.model)
+    stats = learner.step(flat)  # nothing left to train: no update, but the batch is consumed
+    assert stats["learner/trees"] == 0 and stats["learner/loss"] == 0.0 and learner.version == 1
+    assert torch.equal(before, flat_params(learner.model))
+
+
+def test_recompute_makes_the_first_minibatch_on_policy(tok):
+    model = build_tiny_model(tok, seed=4)
+    trees = make_trees(tok, seed=8)
+    stats = Learner(model, config(algo={"behavior_logprobs": "recompute"})).step(trees)
+    assert stats["learner/mb0/mean_abs_s"] == 0.0  # μ recomputed at θ_old: s ≡ 0 before the first update
+    assert stats["learner/mismatch_kl"] > 0.1 and stats["learner/mismatch_kl_k3"] > 0  # random stored μ
+    model2 = build_tiny_model(tok, seed=4)
+    sampler = Learner(model2, config()).step(on_policy(model2, trees))
+    assert abs(sampler["learner/mismatch_kl"]) < 1e-5 and sampler["learner/mb0/mean_abs_s"] < 1e-5
+
+
+def test_too_many_nonfinite_behavior_logprobs_fail_loudly(tok):
+    tree = make_trees(tok, n=1, seed=9)[0]
+    nodes = [
+        dataclasses.replace(n, behavior_logprobs=np.full_like(n.behavior_logprobs, np.nan))
+        for n in tree.nodes
+    ]
+    bad = RolloutTree.build(tree.tree_id, nodes, credit=tree.credit)
+    with pytest.raises(FloatingPointError):
+        Learner(build_tiny_model(tok), config()).step([bad])
+
+
+def test_named_weights_are_detached_cpu_copies(tok):
+    learner = Learner(build_tiny_model(tok), config())
+    w = learner.named_weights()
+    assert set(w) == {n for n, _ in learner.model.named_parameters()}
+    name, p = next(iter(learner.model.named_parameters()))
+    assert w[name].device.type == "cpu" and not w[name].requires_grad
+    assert w[name].data_ptr() != p.data_ptr() and torch.equal(w[name], p.detach())
+
+
+def rng_draws():
+    return random.random(), float(np.random.random()), float(torch.rand(()))
+
+
+def test_checkpoint_roundtrip_resume_and_fallback(tok, tmp_path):
+    trees, trees2 = make_trees(tok, seed=10), make_trees(tok, seed=11)
+    a = Learner(build_tiny_model(tok, seed=5), config())
+    a.step(trees)
+    path = a.save(tmp_path, step=1, extra={"watermark": 7}, tokenizer=tok)
+    after_save = rng_draws()
+    a.step(trees2)  # the run continues from here ...
+
+    b = Learner(build_tiny_model(tok, seed=6), config())  # ... and a restarted learner resumes
+    rng_draws()
+    ckpt = b.restore(tmp_path)
+    assert ckpt is not None and ckpt.path == path and ckpt.step == 1 and ckpt.extra == {"watermark": 7}
+    assert b.version == 1 and rng_draws() == after_save
+    b.step(trees2)
+    assert torch.equal(flat_params(a.model), flat_params(b.model))  # exact resume: same mini-batches too
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for pid, entry in sa["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, sb["state"][pid][key]), key
+
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    ref = Learner(build_tiny_model(tok, seed=7), config())
+    ref.restore(tmp_path)
+    torch.testing.assert_close(flat_params(hf), flat_params(ref.model), atol=0, rtol=0)
+
+    b.save(tmp_path, step=2)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    shard = next((tmp_path / "checkpoints" / "step_000002").glob("model*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8] + b"garbage!")  # same size, different bytes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest = load_latest(tmp_path)
+    assert latest is not None and latest.step == 1
+    assert any("step_000002" in str(w.message) for w in caught)
+    (tmp_path / "checkpoints" / "step_000001" / "meta.json").unlink()  # a torn directory
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_latest(tmp_path) is None

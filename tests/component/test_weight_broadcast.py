@@ -1,0 +1,225 @@
+"""Weight broadcast over real loopback sockets: versions, late joiners, corrupted messages, CURVE, binds.
+
+The tcp path is exercised with transport="tcp"; subscribers on this host otherwise read the publisher's
+shared-memory file. Corruption on the socket path comes from a raw ZeroMQ ROUTER speaking the protocol.
+"""
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from actors.weight_subscriber import META, WeightSubscriber
+from learner.weight_publisher import InMemoryWeightChannel, WeightPublisher
+from system.weight_codec import encode_weights
+
+CHUNK_MB = 1 / 64  # 16 KiB chunks: the ~40 KiB payload below spans several
+
+
+def weights(step: int) -> dict:
+    return {
+        "embed": torch.full((64, 160), float(step)),  # 40 KiB: 3 chunks with the norm and count
+        "norm": torch.arange(7, dtype=torch.bfloat16) * step,
+        "count": np.int64(step),
+    }
+
+
+def assert_weights(got, version: int) -> None:
+    assert got is not None and got[0] == version, got
+    want = weights(version)
+    np.testing.assert_array_equal(got[1]["embed"], want["embed"].numpy())
+    assert torch.equal(got[1]["norm"], want["norm"]) and int(got[1]["count"]) == version
+
+
+@pytest.fixture
+def publisher():
+    pub = WeightPublisher(chunk_mb=CHUNK_MB)
+    yield pub
+    pub.close()
+
+
+def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher):
+    sub = WeightSubscriber(publisher.endpoint)
+    assert sub.poll(100) is None  # nothing published yet
+    for v in (1, 2, 3):
+        tensors = weights(v)
+        publisher.publish(tensors, v)
+        tensors["embed"] += 100  # the learner trains on in place: the published snapshot must not change
+        assert_weights(sub.poll(5000), v)
+        assert sub.poll(0) is None  # nothing newer: nothing applied twice
+    assert sub.stats()["transport"] == "shm" and sub.stats()["rejected"] == 0
+    with pytest.raises(ValueError, match="not newer"):
+        publisher.publish(weights(3), 3)
+    sub.close()
+
+
+def test_three_subscribers_over_both_transports(publisher):
+    subs = [WeightSubscriber(publisher.endpoint, transport=t) for t in ("auto", "tcp", "tcp")]
+    for v in (1, 2, 3):
+        publisher.publish(weights(v), v)
+        for sub in subs:
+            assert_weights(sub.poll(5000), v)
+    assert [s.stats()["transport"] for s in subs] == ["shm", "tcp", "tcp"]
+    assert publisher.stats()["chunks_served"] == 2 * 3 * 3  # 2 tcp subscribers x 3 versions x 3 chunks
+    for sub in subs:
+        sub.close()
+
+
+def test_late_joiner_and_missed_versions_get_the_latest(publisher):
+    early = WeightSubscriber(publisher.endpoint, transport="tcp")
+    for v in (1, 2, 3):
+        publisher.publish(weights(v), v)
+    late = WeightSubscriber(publisher.endpoint, transport="tcp")
+    assert_weights(late.poll(5000), 3)
+    assert_weights(early.poll(5000), 3)  # missed 1 and 2: only the newest is fetched
+    assert early.poll(200) is None
+    for sub in (early, late):
+        sub.close()
+
+
+def test_corrupted_or_truncated_shared_memory_file_is_rejected(publisher):
+    sub = WeightSubscriber(publisher.endpoint)
+    publisher.publish(weights(1), 1)
+    assert_weights(sub.poll(5000), 1)
+    publisher.publish(weights(2), 2)
+    path = publisher.stats()["shm_path"]
+    with open(path, "r+b") as f:  # flip one byte of the published payload
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert sub.poll(500) is None
+    stats = sub.stats()
+    assert stats["version"] == 1 and stats["rejected"] >= 1 and "checksum mismatch" in stats["last_error"]
+    publisher.publish(weights(3), 3)
+    os.truncate(publisher.stats()["shm_path"], 100)
+    assert sub.poll(500) is None
+    assert sub.stats()["version"] == 1 and "truncated" in sub.stats()["last_error"]
+    publisher.publish(weights(4), 4)
+    assert_weights(sub.poll(5000), 4)  # recovers with the next good version
+    sub.close()
+
+
+class RawPublisher:
+    """A raw ROUTER that speaks the protocol and serves whatever chunks a test sets (None: never answer)."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.message = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def set(self, version: int, edit=None) -> None:
+        header, chunks = encode_weights(weights(version), version, int(CHUNK_MB * 2**20))
+        chunks = [bytes(c) for c in chunks]
+        self.message = (header, edit(chunks) if edit else chunks)
+
+    def serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            peer, kind, *rest = self.sock.recv_multipart()
+            if kind == b"LATEST" and self.message:
+                self.sock.send_multipart([peer, b"ANNOUNCE", self.message[0], json.dumps({}).encode()])
+            elif kind == b"GET":
+                chunk = self.message[1][META.unpack(rest[0])[1]]
+                if chunk is not None:
+                    self.sock.send_multipart([peer, b"CHUNK", rest[0], chunk])
+        self.sock.close(linger=0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.ctx.term()
+
+
+def flip(k):
+    return lambda chunks: [*chunks[:k], bytes([chunks[k][0] ^ 0xFF]) + chunks[k][1:], *chunks[k + 1 :]]
+
+
+def test_corrupted_truncated_or_missing_chunks_over_the_socket_are_rejected():
+    raw = RawPublisher()
+    sub = WeightSubscriber(raw.endpoint, transport="tcp", fetch_timeout_s=0.5)
+    raw.set(1)
+    assert_weights(sub.poll(5000), 1)
+    cases = [
+        (2, flip(1), "v2: chunk 1 (16384, 32768) checksum mismatch"),
+        (3, lambda c: [*c[:-1], c[-1][:-1]], "v3: chunk 2 has"),  # the last chunk one byte short
+        (4, lambda c: [c[0], None, c[2]], "v4: timed out with chunks [1] of 3 missing"),
+    ]
+    for version, edit, error in cases:
+        raw.set(version, edit)
+        sub.request_latest()
+        assert sub.poll(300) is None
+        assert sub.version == 1 and error in sub.stats()["last_error"], sub.stats()
+    assert sub.stats()["rejected"] >= 3
+    raw.set(5)
+    sub.request_latest()
+    assert_weights(sub.poll(5000), 5)  # the last good version stayed in force until this one
+    sub.close()
+    raw.close()
+
+
+def test_curve_subscriber_needs_the_server_key():
+    with WeightPublisher(auth="curve", chunk_mb=CHUNK_MB) as pub:
+        pub.publish(weights(1), 1)
+        good = WeightSubscriber(pub.endpoint, server_public_key=pub.public_key, transport="tcp")
+        no_key = WeightSubscriber(pub.endpoint)
+        wrong_key = WeightSubscriber(pub.endpoint, server_public_key=zmq.curve_keypair()[0])
+        assert_weights(good.poll(5000), 1)
+        assert no_key.poll(800) is None and wrong_key.poll(200) is None
+        assert no_key.stats()["received"] == wrong_key.stats()["received"] == 0
+        for sub in (good, no_key, wrong_key):
+            sub.close()
+
+
+def test_non_loopback_bind_needs_curve():
+    for host in ("0.0.0.0", "*", "10.1.2.3", "example.org"):
+        with pytest.raises(ValueError, match="without auth='curve'"):
+            WeightPublisher(bind_host=host)
+    with pytest.raises(ValueError, match="auth must be"):
+        WeightPublisher(auth="password")
+    WeightPublisher(bind_host="0.0.0.0", auth="curve").close()
+    WeightPublisher(bind_host="localhost").close()
+
+
+def test_unknown_versions_and_bad_requests(publisher, tmp_path):
+    publisher.publish(weights(1), 1)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(publisher.endpoint)
+    dealer.send_multipart([b"GET", META.pack(99, 0, 7)])
+    assert dealer.poll(5000) and dealer.recv_multipart() == [b"GONE", META.pack(99, 0, 7)]
+    dealer.send(b"NONSENSE")
+    dealer.send(b"LATEST")
+    assert dealer.poll(5000) and dealer.recv_multipart()[0] == b"ANNOUNCE"
+    assert publisher.stats()["bad_requests"] == 1
+    dealer.close(linger=0)
+    with WeightPublisher(shm_dir=str(tmp_path), keep=1) as pub:
+        for v in (1, 2, 3):
+            pub.publish(weights(v), v)
+        assert len(os.listdir(tmp_path)) <= 2  # the newest version + the pre-allocated spare
+    assert os.listdir(tmp_path) == []  # close removes every file
+
+
+def test_in_memory_twin_has_the_same_contract():
+    ch = InMemoryWeightChannel(chunk_mb=CHUNK_MB)
+    other = ch.sink()
+    assert ch.poll() is None
+    tensors = weights(1)
+    ch.publish(tensors, 1)
+    tensors["embed"] += 5  # snapshot taken at publish
+    assert_weights(ch.poll(), 1)
+    assert ch.poll() is None
+    ch.publish(weights(2), 2)
+    ch.publish(weights(3), 3)
+    assert_weights(other.poll(), 3)  # independent reader, newest only
+    assert_weights(ch.poll(timeout_ms=10), 3)
+    with pytest.raises(ValueError, match="not newer"):
+        ch.publish(weights(2), 2)
