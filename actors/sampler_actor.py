@@ -7,6 +7,7 @@ mixes in FaultAwareApply. A restarted actor re-runs __init__: it gets a fresh RN
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from types import SimpleNamespace
@@ -40,6 +41,9 @@ class SamplerActor(FaultAwareApply):
         if got is not None:
             version, named = got
             self.worker.apply_weights(named, version)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def version(self) -> int:
         return self.worker.version

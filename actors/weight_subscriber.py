@@ -55,7 +55,7 @@ class WeightSubscriber:
         window: int = 8,
         fetch_timeout_s: float = 30.0,
         refresh_s: float = 2.0,
-        threads: int = 2,
+        threads: int | None = None,
         bfloat16: str = "torch",
         max_retries: int = 1,
     ) -> None:
@@ -74,6 +74,7 @@ class WeightSubscriber:
             self._sock.curve_serverkey = server_public_key
             self._sock.curve_publickey, self._sock.curve_secretkey = zmq.curve_keypair()
         self._sock.connect(endpoint)
+        threads = threads or min(4, os.cpu_count() or 1)  # verifying threads (zlib releases the GIL)
         self._pool = ThreadPoolExecutor(threads, "weight-verify") if threads > 1 else None
         self.version = -1  # last version returned by poll
         self._offer: tuple[WeightHeader, dict[str, Any]] | None = None
@@ -101,8 +102,9 @@ class WeightSubscriber:
             now = time.monotonic()
             if now - self._asked > self.refresh_s:  # a lost announcement or a restarted publisher
                 self.request_latest()
-            if now >= deadline or not self._sock.poll(max(1, int((deadline - now) * 1000))):
+            if now >= deadline:
                 return None
+            self._sock.poll(max(1, int((min(deadline, self._asked + self.refresh_s) - now) * 1000)))
 
     def request_latest(self) -> None:
         """Ask the publisher for its newest version (also how a late joiner catches up)."""

@@ -3,8 +3,10 @@
 Batch: 8 credited trees (the default `learner.batch_trees`) in 4 sequential mini-batches, TreeOPSD loss,
 AdamW; each tree has a ~60-token prompt, 4 trajectories of 2–5 turns (15–40 model tokens, ~40 observation
 tokens each) and 2 branches per trajectory. Every configuration trains its own copy of the same initial
-weights; repetitions are interleaved (packed, paths, packed, ...) so a noisy shared CPU hits all alike, and
-the median step time is reported. One torch thread.
+weights; repetitions are interleaved (packed, paths, packed, ...) so a noisy shared CPU hits all alike. Step
+times are the minimum over repetitions (other processes only ever add time, so the minimum is the most
+stable estimate of a step's own cost on a shared machine); `models.*.median_*` keep the medians. One torch
+thread.
 
 Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 / 4 layers as well):
     packed_step_s        tree-packed step (every stored token once, block-sparse tree attention)
@@ -92,7 +94,7 @@ def _learner(model, packed: bool, attention: str) -> Learner:
     return Learner(copy.deepcopy(model), cfg, attention=attention)
 
 
-def _time(learners: dict[str, Learner], trees: list[RolloutTree], reps: int) -> dict[str, float]:
+def _time(learners: dict[str, Learner], trees: list[RolloutTree], reps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in learners}
     for rep in range(reps + 1):  # rep 0 warms up (allocator, plan caches, lazy init)
         for name, learner in learners.items():
@@ -100,7 +102,7 @@ def _time(learners: dict[str, Learner], trees: list[RolloutTree], reps: int) -> 
             learner.step(trees)
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def _bench_model(model, trees: list[RolloutTree], reps: int, dense: bool) -> dict[str, float]:
@@ -111,10 +113,15 @@ def _bench_model(model, trees: list[RolloutTree], reps: int, dense: bool) -> dic
     }
     if dense:
         learners["packed_dense_mask"] = _learner(model, True, "mask")
-    t = _time(learners, trees, reps)
+    times = _time(learners, trees, reps)
+    t = {k: min(v) for k, v in times.items()}
     out = {f"{k}_step_s": round(v, 4) for k, v in t.items()}
     out["packed_speedup"] = round(t["paths"] / t["packed"], 3)
     out["packed_speedup_vs_padded"] = round(t["paths_padded"] / t["packed"], 3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"median_{k}_step_s": round(v, 4) for k, v in med.items()})
+    out["median_packed_speedup"] = round(med["paths"] / med["packed"], 3)
+    out["reps"] = reps
     return out
 
 
@@ -135,9 +142,8 @@ def run(args) -> dict:
             tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, max_positions=4096
         )
         model.config._attn_implementation = "sdpa"
-        models[name] = _bench_model(
-            model, trees, 1 if quick else 5, dense=name.startswith("tiny") and not quick
-        )
+        reps = 1 if quick else (7 if name.startswith("tiny") else 4)
+        models[name] = _bench_model(model, trees, reps, dense=name.startswith("tiny") and not quick)
     head = models["tiny_h64_l2"]
     return {
         "packed_step_s": head["packed_step_s"],

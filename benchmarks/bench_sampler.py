@@ -27,6 +27,7 @@ trees have no branches to measure.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import tempfile
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 QUICK_SFT_STEPS = 150
-BRANCH_KIND = "b"  # TreeSampler keys branch episodes "<tree>/b<j>", trunks "<tree>/m<m>"
+BRANCH_KIND = "b"  # TreeSampler's cache keys: "<tree>/b<j>" for branch episodes, "<tree>/m<m>" for trunks
 
 
 class RecordingBackend:
@@ -55,13 +56,21 @@ class RecordingBackend:
         return results
 
 
-def _request_kind(req: Any) -> str:
-    """ "start" (first turn of a branch), "branch" (a later branch turn) or "trunk", from the cache key
-    TreeSampler gives it: "<tree>/b<j>/<k>" for a branch's first turn, then "/<k+1>" appended per turn."""
-    parts = (req.cache_key or "").split("/")
-    if len(parts) < 3 or not parts[1].startswith(BRANCH_KIND):
-        return "trunk"
-    return "start" if len(parts) == 3 else "branch"
+def _kinds(requests: list[Any]) -> list[str]:
+    """Per request, in call order: "start" (a branch's first turn: its context is the anchor's shared
+    prefix), "branch" (a later branch turn) or "trunk". TreeSampler keys a branch episode "<tree>/b<j>" and a
+    trunk "<tree>/m<m>" (a backend cache key may add more "/" parts)."""
+    seen: set[str] = set()
+    out = []
+    for req in requests:
+        parts = (req.cache_key or "").split("/")
+        episode = "/".join(parts[:2])
+        if len(parts) < 2 or not parts[1].startswith(BRANCH_KIND):
+            out.append("trunk")
+        else:
+            out.append("branch" if episode in seen else "start")
+            seen.add(episode)
+    return out
 
 
 def _model(cfg: Any, tmp: str, env: Any) -> tuple[str, str]:
@@ -195,11 +204,13 @@ def _measure(cfg: Any, model: str, prompts: int, chunk: int, repeats: int) -> di
         for _ in range(repeats):
             _fresh(cfg, model, rec, eos, n0)
             worker.rng.bit_generator.state, worker.counter, rec.calls = rng_state, 0, []
+            gc.collect()  # neither timed phase pays for the other's garbage
             t1, rec.backend_s = time.perf_counter(), 0.0
             trees = [t for i in range(0, prompts, chunk) for t in worker.sample(min(chunk, prompts - i))]
             sampler_s.append((time.perf_counter() - t1, rec.backend_s))
             first = first or (trees, rec.calls)
             _fresh(cfg, model, rec, eos, n0)
+            gc.collect()
             seconds, n_req, same = _replay(first[1], rec.inner)
             raw_s.append(seconds)
         block = _block_size(rec.inner)
@@ -208,7 +219,8 @@ def _measure(cfg: Any, model: str, prompts: int, chunk: int, repeats: int) -> di
     out = {"engine_start_s": round(start_s, 1), "kv_block_size": block, "repeats": repeats}
     best, inside = min(sampler_s)
     out.update(_throughput(first[0], first[1], best, min(raw_s), n_req, same))
-    out["sampler_backend_s"] = round(inside, 3)  # of the best sampler run: the rest is our loop's overhead
+    out["sampler_backend_s"] = round(inside, 3)  # of the best sampler run: time inside backend.sample
+    out["sampler_overhead_s"] = round(best - inside, 3)  # agent loop, env, tree building
     return {**out, **_prefix_report(cfg, model, first[1])}
 
 
@@ -234,13 +246,14 @@ def _throughput(
 def _prefix_report(cfg: Any, model: str, calls: list[tuple[Any, Any]]) -> dict[str, Any]:
     pairs = [(q, r) for reqs, res in calls for q, r in zip(reqs, res, strict=True)]
     hf_pairs = pairs if cfg.sampler.backend == "hf" else _hf_prefix(cfg, model, calls)
-    starts = _prefix([p for p in pairs if _request_kind(p[0]) == "start"])
-    hf_starts = _prefix([p for p in hf_pairs if _request_kind(p[0]) == "start"])
+    kinds = _kinds([q for q, _ in pairs])
+    starts = _prefix([p for p, k in zip(pairs, kinds, strict=True) if k == "start"])
+    hf_starts = _prefix([p for p, k in zip(hf_pairs, kinds, strict=True) if k == "start"])
     return {
         "branch_start_requests": starts.pop("requests"),
         **starts,
         **{f"hf_{k}": v for k, v in hf_starts.items() if k != "requests"},
-        "prefix_all_branch_turns": _prefix([p for p in pairs if _request_kind(p[0]) != "trunk"]),
+        "prefix_all_branch_turns": _prefix([p for p, k in zip(pairs, kinds, strict=True) if k != "trunk"]),
         "prefix_all_requests": _prefix(pairs),
     }
 

@@ -140,70 +140,84 @@ class _Group:
         self.ctx.term()
 
 
-def _time_ours(pub: Any, payload: dict, kind: str, n: int, reps: int, cfg: dict) -> tuple[float, float]:
-    """Best (broadcast seconds, publisher seconds) over `reps` publishes to n fresh subscribers."""
-    first = pub.version + 1
-    group = _Group(kind, n, pub.endpoint, first + reps, cfg)
-    best, best_pub = float("inf"), float("inf")
-    try:
-        for v in range(first, first + reps + 1):  # the first is the warm-up
-            while not pub.stats()["spare_ready"]:
-                time.sleep(0.01)
-            time.sleep(0.2)
-            t0 = time.perf_counter()
-            pub.publish(payload, v)
-            group.wait(str(v))
-            if v > first:
-                best = min(best, time.perf_counter() - t0)
-                best_pub = min(best_pub, pub.stats()["publish_s"])
-    finally:
-        group.close()
-    return best, best_pub
+class _Ours:
+    """One publisher (the newest version only, plus its spare) feeding its own group of subscribers."""
+
+    def __init__(self, kind: str, n: int, rounds: int, cfg: dict[str, Any]) -> None:
+        from learner.weight_publisher import WeightPublisher
+
+        self.pub = WeightPublisher(keep=1)
+        self.group = _Group(kind, n, self.pub.endpoint, rounds, cfg)
+        self.publish_s = 0.0
+
+    def once(self, payload: dict[str, np.ndarray], version: int) -> float:
+        while not self.pub.stats()["spare_ready"]:  # steady state: training runs between publishes
+            time.sleep(0.01)
+        time.sleep(0.1)
+        t0 = time.perf_counter()
+        self.pub.publish(payload, version)
+        self.group.wait(str(version))
+        self.publish_s = self.pub.stats()["publish_s"]
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.group.close()
+        self.pub.close()
 
 
-def _time_raw(payload: dict, reps: int) -> float:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    group = _Group("raw", 1, f"tcp://127.0.0.1:{port}", reps + 1, {})
-    frames = list(payload.values())
-    best = float("inf")
-    try:
-        for v in range(1, reps + 2):
-            time.sleep(0.2)
-            t0 = time.perf_counter()
-            sock.send_multipart(frames, copy=False)
-            group.wait(str(v))
-            if v > 1:
-                best = min(best, time.perf_counter() - t0)
-    finally:
-        group.close()
-        sock.close(linger=0)
-        ctx.term()
-    return best
+class _Raw:
+    """Bare pyzmq: PUSH the tensors' buffers (copy=False) to one PULL process."""
+
+    def __init__(self, rounds: int) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.group = _Group("raw", 1, f"tcp://127.0.0.1:{port}", rounds, {})
+        self.publish_s = 0.0
+
+    def once(self, payload: dict[str, np.ndarray], version: int) -> float:
+        time.sleep(0.1)
+        t0 = time.perf_counter()
+        self.sock.send_multipart(list(payload.values()), copy=False)
+        self.group.wait(str(version))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.group.close()
+        self.sock.close(linger=0)
+        self.ctx.term()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from learner.weight_publisher import WeightPublisher
-
     quick = bool(getattr(args, "quick", False))
-    reps = 2 if quick else 3
+    reps = 3 if quick else 5
     cfg = _config((32 if quick else 256) << 20)
     payload = _payload(cfg)
     nbytes = sum(a.nbytes for a in payload.values())
-    raw_1 = _time_raw(payload, reps)
-    with WeightPublisher() as pub:
-        ours_1, publish_s = _time_ours(pub, payload, "auto", 1, reps, cfg)
-        ours_4, _ = _time_ours(pub, payload, "auto", 4, reps, cfg)
-        tcp_1, _ = _time_ours(pub, payload, "tcp", 1, reps, cfg)
-        tcp_4, _ = _time_ours(pub, payload, "tcp", 4, reps, cfg)
-        apply_s, _ = _time_ours(pub, payload, "apply", 1, reps, cfg)
+    # All cases live side by side and take turns, round by round, so that load from other processes on the
+    # machine hits them alike; round 0 is the warm-up; each figure is the best round.
+    shapes = {"raw": None, "ours_1": ("auto", 1), "ours_4": ("auto", 4), "tcp_1": ("tcp", 1)}
+    shapes.update({"tcp_4": ("tcp", 4), "apply": ("apply", 1)})
+    cases: dict[str, Any] = {}
+    best = dict.fromkeys(shapes, float("inf"))
+    try:
+        for name, shape in shapes.items():
+            cases[name] = _Raw(reps + 1) if shape is None else _Ours(*shape, reps + 1, cfg)
+        for version in range(1, reps + 2):
+            for name, case in cases.items():
+                dt = case.once(payload, version)
+                best[name] = min(best[name], dt) if version > 1 else best[name]
+    finally:
+        for case in cases.values():
+            case.close()
     r = lambda x: round(x, 4)  # noqa: E731
     return {
         "payload_mb": r(nbytes / 2**20), "tensors": len(payload), "reps": reps, "cpus": os.cpu_count(),
-        "raw_zmq_s_1": r(raw_1), "broadcast_s_1": r(ours_1), "broadcast_over_raw_zmq": r(raw_1 / ours_1),
-        "broadcast_s_4": r(ours_4), "fanout4_over_fanout1": r(ours_4 / ours_1), "publish_s": r(publish_s),
-        "broadcast_tcp_s_1": r(tcp_1), "broadcast_tcp_s_4": r(tcp_4),
-        "tcp_fanout4_over_fanout1": r(tcp_4 / tcp_1), "apply_s_hf": r(apply_s), "transport": "shm",
+        "raw_zmq_s_1": r(best["raw"]), "broadcast_s_1": r(best["ours_1"]),
+        "broadcast_over_raw_zmq": r(best["raw"] / best["ours_1"]), "broadcast_s_4": r(best["ours_4"]),
+        "fanout4_over_fanout1": r(best["ours_4"] / best["ours_1"]), "publish_s": r(cases["ours_1"].publish_s),
+        "broadcast_tcp_s_1": r(best["tcp_1"]), "broadcast_tcp_s_4": r(best["tcp_4"]),
+        "tcp_fanout4_over_fanout1": r(best["tcp_4"] / best["tcp_1"]), "apply_s_hf": r(best["apply"]),
+        "transport": "shm",
     }  # fmt: skip

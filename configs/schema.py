@@ -9,6 +9,7 @@ the cautionary tale). Derived values are properties. This module imports nothing
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+_FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -279,6 +282,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} = {value!r} is invalid: expected an integer")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            return float(value)  # PyYAML (YAML 1.1) reads "1e-3" as a string; YAML 1.2 says float
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key} = {value!r} is invalid: expected a number")
         return float(value)

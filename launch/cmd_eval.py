@@ -116,13 +116,9 @@ def _row(e: Any, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _evict(backend: Any, episodes: Sequence[Any]) -> None:
-    """Frees the HF backend's per-turn KV caches of finished episodes (vLLM has no such caches)."""
-    evict = getattr(backend, "evict", None)
-    if evict is None:
-        return
-    for e in episodes:  # turn k's cache key is "<id>/1/2/.../k" (agent_loop chains keys turn by turn)
-        parts = e.key.split("/")
-        evict(*("/".join(parts[:i]) for i in range(2, len(parts) + 1)))
+    """Frees the HF backend's per-episode KV caches (vLLM has no such caches)."""
+    if hasattr(backend, "evict"):
+        backend.evict(*(e.key for e in episodes))
 
 
 def _stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

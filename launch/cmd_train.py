@@ -67,7 +67,7 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
     from storage.metrics import TensorboardSink
 
     run_dir = Path(cfg.run.run_dir)
-    init_ray()
+    init_ray(cfg)
     sink = TensorboardSink(run_dir / "tb")
     topo = start_topology(cfg, model_path, resume)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,9 @@ def build_policy(cfg: Config, model_path: str, seed: int | None = None, greedy: 
 
     if cfg.sampler.backend != "vllm":
         return build_backend(cfg, model_path, greedy=greedy, seed=seed)
+    # vLLM logs to stdout by default; commands print their results (JSON) there. Set before vLLM is imported
+    # so the engine's child processes inherit it.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from actors.policy.vllm_backend import VLLMBackend
     from system.policy import SamplingConfig
 

@@ -37,10 +37,25 @@ LOOPBACK_ENV = {
 }
 
 
-def init_ray(num_cpus: int | None = None) -> None:
-    """Joins RAY_ADDRESS if set (a cluster started by launch/cluster.sh), else starts a local instance."""
+def required_cpus(cfg: Config) -> float:
+    r = cfg.resources
+    return (
+        cfg.sampler.num_samplers * r.sampler.num_cpus
+        + r.learner.num_cpus
+        + r.backup.num_cpus
+        + r.store.num_cpus
+    )
+
+
+def init_ray(cfg: Config | None = None) -> None:
+    """Joins RAY_ADDRESS if set (a cluster started by launch/cluster.sh), else starts a local instance.
+
+    A local instance advertises at least the CPUs the roles ask for: samplers and the learner mostly wait on
+    each other, so on a 2-core laptop 2 samplers + learner still run (oversubscribed) instead of hanging.
+    """
     if ray.is_initialized():
         return
+    num_cpus = None if cfg is None else max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV}}
@@ -165,12 +180,7 @@ class Driver:
                 self.progress.set_postfix(
                     reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
                 )
-        self.topo.refs["learner"] = (
-            self.topo.learner.train_step.remote() if self.step < self._target() else None
-        )
-
-    def _target(self) -> int:
-        return self.cfg.run.steps if self.progress is None else int(self.progress.total)
+        self.topo.refs["learner"] = self.topo.learner.train_step.remote() if self.step < self.target else None
 
     def flush(self) -> None:
         """Role metrics → MetricsLogger (sum of counters / mean of rates across samplers) → tensorboard."""
@@ -205,11 +215,13 @@ def _store_metrics(stats: dict[str, Any]) -> dict[str, float]:
 
 
 def stop_topology(topo: Topology) -> None:
-    for actor_id in topo.manager.healthy_actor_ids():
+    """Stops every role (best effort for the dead ones), closes the store, and frees the actors."""
+    topo.manager.foreach_actor("stop", healthy_only=True, timeout_seconds=20)
+    for handle, method in ((topo.learner, "stop"), (topo.store, "close")):
         try:
-            topo.manager.foreach_actor("stop", remote_actor_ids=[actor_id], timeout_seconds=20)
-        except Exception:  # best effort: the actor may already be gone
-            log.debug("sampler %s did not stop cleanly", actor_id)
-    for handle in (topo.learner,):
-        ray.get(handle.stop.remote())
-    ray.get(topo.store.close.remote())
+            ray.get(getattr(handle, method).remote(), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("%s did not stop cleanly: %s", method, e)
+    for handle in (topo.backup, topo.learner, topo.store):
+        ray.kill(handle, no_restart=True)
+    topo.manager.clear()  # kills the samplers

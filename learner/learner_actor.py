@@ -6,6 +6,7 @@ RNG and version, then rewinds the store to that watermark, so no batch is traine
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -47,6 +48,9 @@ class LearnerActor:
         lags, self.lag_history = self.lag_history, []
         return lags
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def endpoint(self) -> tuple[str, bytes | None]:
         return self.publisher.endpoint, self.publisher.public_key
 
@@ -56,6 +60,7 @@ class LearnerActor:
     def train_step(self) -> dict[str, float] | None:
         """One step on the next fixed batch, or None when B credited trees are not there yet."""
         t0 = time.perf_counter()
+        batch_index = ray.get(self.store.consumed_watermark.remote())  # the store calls it batch k
         buf = ray.get(self.store.take_batch_ipc.remote(self.cfg.learner.batch_trees))
         if buf is None:
             self.wait_s += time.perf_counter() - t0
@@ -75,6 +80,7 @@ class LearnerActor:
         metrics["learner/wait_for_batch_s"] = self.wait_s
         metrics["learner/idle_ratio"] = self.wait_s / max(self.wait_s + time.perf_counter() - t0, 1e-9)
         metrics["learner/step"] = float(self.step_count)
+        metrics["learner/batch_index"] = float(batch_index)
         self.wait_s = 0.0
         return metrics
 

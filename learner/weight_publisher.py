@@ -12,18 +12,19 @@ Protocol (one ROUTER socket bound by the publisher, one DEALER per subscriber; f
 `header` is `system/weight_codec.py`'s header (JSON + checksums); `locator` is JSON
 ``{"path", "dev", "ino", "bytes"}`` naming the file that holds the payload.
 
-Flow. `publish` hashes and copies the tensors once into a fresh file in /dev/shm (the snapshot: the learner
-may keep training in place; a file of the right size is pre-allocated and pre-faulted in the background after
-each publish, so the copy runs at memcpy speed), then announces it. A subscriber on the same host (the file's
-path exists with the announced device and inode) maps it read-only-shared and verifies it in place: no bytes
-cross a socket, so N local subscribers cost one write. Any other subscriber pulls the chunks over the socket
-with up to `window` GETs in flight (copy=False sends straight from the mapped file); a late joiner or one that
-missed versions just asks LATEST. The newest `keep` versions stay fetchable; older ones answer GONE.
+Flow. `publish` hashes and copies the tensors in one pass into a new file in /dev/shm (the snapshot: the
+learner may train on in place; the next file is pre-allocated and pre-faulted in the background, at lowest
+priority, so the copy runs at memcpy speed) and announces it. A subscriber that sees the file (same path,
+device and inode: same host) maps it copy-on-write and verifies it in place: N local subscribers cost one
+write and no socket traffic. Others pull chunks over the socket, `window` GETs in flight, sent copy=False
+from the mapped file. A late joiner, or one that missed versions, asks LATEST. The newest `keep` versions stay
+fetchable; older ones answer GONE. Published files are immutable (truncating one under a reader's mapping
+would SIGBUS it); files of a dead publisher (SIGKILL) are swept when the next one starts on the host.
 
 Why not PUB/SUB: it drops whole messages at the high-water mark and loses what is sent before a subscriber
-has joined (feasibility.md §3). Pull-by-chunk has neither problem, and the subscriber's window bounds the
-memory queued per peer, so SNDHWM/RCVHWM are 0 (unlimited) without risk. Why shared memory: over loopback TCP
-every subscriber costs a full copy through the kernel; from /dev/shm it costs a mapping and a checksum pass.
+has joined (feasibility.md §3). Pulling chunks has neither problem, and the GET window bounds what is queued
+per peer, so SNDHWM/RCVHWM are 0. Why shared memory: over loopback TCP each subscriber costs a full copy
+through the kernel; from /dev/shm it costs a mapping and one checksum pass.
 
 Security: binds 127.0.0.1 by default; any other address needs auth="curve" (ZeroMQ CURVE: traffic encrypted
 and the server authenticated; subscribers need `publisher.public_key`). Shared-memory files are mode 0600.
@@ -61,12 +62,10 @@ META = struct.Struct(">QII")  # version, chunk index, fetch tag
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False  # "*", "0.0.0.0"-style wildcards and host names are not loopback
+        return False  # wildcards ("*") and host names are not loopback
 
 
 class _ShmFile:
@@ -76,11 +75,9 @@ class _ShmFile:
         self.path, self.size = path, size
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            if size:
-                try:
-                    os.posix_fallocate(fd, 0, size)  # allocate now, not page by page during the copy
-                except OSError:
-                    os.ftruncate(fd, size)
+            with contextlib.suppress(OSError):  # allocate now, not page by page during the copy
+                os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
             st = os.fstat(fd)
             self.dev, self.ino = st.st_dev, st.st_ino
@@ -103,6 +100,21 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+def _sweep_orphans(directory: str, host_prefix: str) -> None:
+    """Remove this host's payload files whose publisher is gone (a SIGKILLed learner cleans up nothing)."""
+    for name in os.listdir(directory):
+        pid = name[len(host_prefix) :].split("-")[0]
+        if not name.startswith(host_prefix) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+        except PermissionError:
+            pass  # alive, another user's
+
+
 def _unlink_all(paths: set[str]) -> None:
     for p in list(paths):
         with contextlib.suppress(FileNotFoundError):
@@ -115,7 +127,9 @@ class _ShmStore:
     def __init__(self, shm_dir: str | None, keep: int, threads: int, prealloc: bool) -> None:
         default = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
         self.dir = shm_dir or default
-        self._prefix = os.path.join(self.dir, f"treeopsd-w-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        host = f"treeopsd-w-{os.uname().nodename.replace('/', '_')}-"
+        _sweep_orphans(self.dir, host)
+        self._prefix = os.path.join(self.dir, f"{host}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.keep, self.prealloc = max(1, keep), prealloc
         self._counter = itertools.count(1)  # next() is atomic: the background thread creates files too
         self._files: dict[int, _ShmFile] = {}
@@ -205,15 +219,13 @@ class WeightPublisher:
         *,
         shm_dir: str | None = None,
         keep: int = 2,
-        threads: int = 2,
+        threads: int | None = None,
         prealloc: bool = True,
     ) -> None:
         if auth not in ("none", "curve"):
             raise ValueError(f"auth must be 'none' or 'curve', got {auth!r}")
         if auth == "none" and not _is_loopback(bind_host):
-            raise ValueError(
-                f"refusing to bind weights on {bind_host!r} without auth='curve' (loopback only)"
-            )
+            raise ValueError(f"refusing to bind {bind_host!r} without auth='curve' (loopback only)")
         self.chunk_bytes = max(1, int(chunk_mb * 2**20))
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
@@ -235,15 +247,15 @@ class WeightPublisher:
         ctl_server.bind(ctl_addr)
         self._ctl = self._ctx.socket(zmq.PAIR)
         self._ctl.connect(ctl_addr)
+        threads = threads or min(4, os.cpu_count() or 1)  # hashing threads (zlib releases the GIL)
         self._store = _ShmStore(shm_dir, keep, threads, prealloc)
         self._lock = threading.Lock()
         self._peers: set[bytes] = set()
-        self.version = -1
+        self.version, self._closed = -1, False
         self._stats: dict[str, Any] = {"publishes": 0, "payload_bytes": 0, "publish_s": 0.0, "shm_path": ""}
         self._stats.update({"chunks_served": 0, "bytes_served": 0, "latest_served": 0, "bad_requests": 0})
         self._thread = threading.Thread(target=self._serve, args=(sock, ctl_server), daemon=True)
         self._thread.start()
-        self._closed = False
 
     # ---- WeightSource ----------------------------------------------------------------------------------
     def publish(self, named_tensors: Mapping[str, Any], version: int) -> None:
@@ -288,10 +300,9 @@ class WeightPublisher:
 
     # ---- server thread: owns the ROUTER socket ---------------------------------------------------------
     def _serve(self, sock: zmq.Socket, ctl: zmq.Socket) -> None:
-        poller = zmq.Poller()
+        poller, announce = zmq.Poller(), [b"NONE"]
         poller.register(sock, zmq.POLLIN)
         poller.register(ctl, zmq.POLLIN)
-        announce: list[bytes] = [b"NONE"]
         while True:
             events = dict(poller.poll())
             if ctl in events:
@@ -360,24 +371,22 @@ class InMemoryWeightChannel:
         return InMemoryWeightChannel(self.chunk_bytes / 2**20, self.bfloat16, self._shared)
 
     def publish(self, named_tensors: Mapping[str, Any], version: int) -> None:
-        payload = bytearray()
-        header, _ = encode_weights(
-            named_tensors, version, self.chunk_bytes, sink=lambda n: payload.extend(bytes(n)) or payload
-        )  # the copy into `payload` is the snapshot
-        with self._shared.cond:
-            if version <= self._shared.version:
-                raise ValueError(
-                    f"version {version} is not newer than the last published {self._shared.version}"
-                )
-            self._shared.version, self._shared.message = version, (header, bytes(payload))
-            self._shared.cond.notify_all()
+        box = self._shared
+        if version <= box.version:
+            raise ValueError(f"version {version} is not newer than the last published {box.version}")
+        payload = bytearray()  # the copy into it is the snapshot
+        sink = lambda n: payload.extend(bytes(n)) or payload  # noqa: E731
+        header, _ = encode_weights(named_tensors, version, self.chunk_bytes, sink=sink)
+        with box.cond:
+            box.version, box.message = version, (header, bytes(payload))
+            box.cond.notify_all()
 
     def poll(self, timeout_ms: int = 0) -> tuple[int, dict[str, Any]] | None:
-        with self._shared.cond:
-            self._shared.cond.wait_for(lambda: self._shared.version > self.version, timeout_ms / 1000)
-            if self._shared.version <= self.version or self._shared.message is None:
+        box = self._shared
+        with box.cond:
+            if not box.cond.wait_for(lambda: box.version > self.version, timeout_ms / 1000):
                 return None
-            header, payload = self._shared.message
+            header, payload = box.message
         asm = WeightAssembler(header, bytearray(payload))  # a private copy per reader
         asm.verify_buffer()
         self.version = asm.header.version
@@ -388,4 +397,4 @@ class _Latest:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.version = -1
-        self.message: tuple[bytes, bytes] | None = None
+        self.message: tuple[bytes, bytes] = (b"", b"")

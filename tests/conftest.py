@@ -7,7 +7,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,3 +21,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-init tiny Qwen2 + BPE tokenizer trained on the default task's text (built once, ~2 s)."""
+    from actors.envs.synthetic_kb import SyntheticKBEnv, tokenizer_texts
+    from actors.policy.tiny_model import save_tiny
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    save_tiny(folder, tokenizer_texts(SyntheticKBEnv(), n_questions=300, n_oracle=30), seed=0)
+    return str(folder)

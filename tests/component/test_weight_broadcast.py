@@ -42,8 +42,17 @@ def publisher():
     pub.close()
 
 
-def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher):
-    sub = WeightSubscriber(publisher.endpoint)
+@pytest.fixture
+def subscriber():
+    """Factory: WeightSubscriber(...) closed at teardown even when the test fails."""
+    made = []
+    yield lambda *a, **kw: made.append(WeightSubscriber(*a, **kw)) or made[-1]
+    for sub in made:
+        sub.close()
+
+
+def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher, subscriber):
+    sub = subscriber(publisher.endpoint)
     assert sub.poll(100) is None  # nothing published yet
     for v in (1, 2, 3):
         tensors = weights(v)
@@ -54,35 +63,30 @@ def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher):
     assert sub.stats()["transport"] == "shm" and sub.stats()["rejected"] == 0
     with pytest.raises(ValueError, match="not newer"):
         publisher.publish(weights(3), 3)
-    sub.close()
 
 
-def test_three_subscribers_over_both_transports(publisher):
-    subs = [WeightSubscriber(publisher.endpoint, transport=t) for t in ("auto", "tcp", "tcp")]
+def test_three_subscribers_over_both_transports(publisher, subscriber):
+    subs = [subscriber(publisher.endpoint, transport=t) for t in ("auto", "tcp", "tcp")]
     for v in (1, 2, 3):
         publisher.publish(weights(v), v)
         for sub in subs:
             assert_weights(sub.poll(5000), v)
     assert [s.stats()["transport"] for s in subs] == ["shm", "tcp", "tcp"]
     assert publisher.stats()["chunks_served"] == 2 * 3 * 3  # 2 tcp subscribers x 3 versions x 3 chunks
-    for sub in subs:
-        sub.close()
 
 
-def test_late_joiner_and_missed_versions_get_the_latest(publisher):
-    early = WeightSubscriber(publisher.endpoint, transport="tcp")
+def test_late_joiner_and_missed_versions_get_the_latest(publisher, subscriber):
+    early = subscriber(publisher.endpoint, transport="tcp")
     for v in (1, 2, 3):
         publisher.publish(weights(v), v)
-    late = WeightSubscriber(publisher.endpoint, transport="tcp")
+    late = subscriber(publisher.endpoint, transport="tcp")
     assert_weights(late.poll(5000), 3)
     assert_weights(early.poll(5000), 3)  # missed 1 and 2: only the newest is fetched
     assert early.poll(200) is None
-    for sub in (early, late):
-        sub.close()
 
 
-def test_corrupted_or_truncated_shared_memory_file_is_rejected(publisher):
-    sub = WeightSubscriber(publisher.endpoint)
+def test_corrupted_or_truncated_shared_memory_file_is_rejected(publisher, subscriber):
+    sub = subscriber(publisher.endpoint)
     publisher.publish(weights(1), 1)
     assert_weights(sub.poll(5000), 1)
     publisher.publish(weights(2), 2)
@@ -101,7 +105,6 @@ def test_corrupted_or_truncated_shared_memory_file_is_rejected(publisher):
     assert sub.stats()["version"] == 1 and "truncated" in sub.stats()["last_error"]
     publisher.publish(weights(4), 4)
     assert_weights(sub.poll(5000), 4)  # recovers with the next good version
-    sub.close()
 
 
 class RawPublisher:
@@ -126,7 +129,9 @@ class RawPublisher:
             if not self.sock.poll(20):
                 continue
             peer, kind, *rest = self.sock.recv_multipart()
-            if kind == b"LATEST" and self.message:
+            if kind == b"LATEST" and not self.message:
+                self.sock.send_multipart([peer, b"NONE"])
+            elif kind == b"LATEST":
                 self.sock.send_multipart([peer, b"ANNOUNCE", self.message[0], json.dumps({}).encode()])
             elif kind == b"GET":
                 chunk = self.message[1][META.unpack(rest[0])[1]]
@@ -144,10 +149,16 @@ def flip(k):
     return lambda chunks: [*chunks[:k], bytes([chunks[k][0] ^ 0xFF]) + chunks[k][1:], *chunks[k + 1 :]]
 
 
-def test_corrupted_truncated_or_missing_chunks_over_the_socket_are_rejected():
-    raw = RawPublisher()
-    sub = WeightSubscriber(raw.endpoint, transport="tcp", fetch_timeout_s=0.5)
-    raw.set(1)
+@pytest.fixture
+def raw():
+    server = RawPublisher()
+    yield server
+    server.close()
+
+
+def test_corrupted_truncated_or_missing_chunks_over_the_socket_are_rejected(raw, subscriber):
+    sub = subscriber(raw.endpoint, transport="tcp", fetch_timeout_s=0.5, refresh_s=0.2)
+    raw.set(1)  # after the subscriber's first LATEST (answered NONE): found by its periodic refresh
     assert_weights(sub.poll(5000), 1)
     cases = [
         (2, flip(1), "v2: chunk 1 (16384, 32768) checksum mismatch"),
@@ -163,21 +174,17 @@ def test_corrupted_truncated_or_missing_chunks_over_the_socket_are_rejected():
     raw.set(5)
     sub.request_latest()
     assert_weights(sub.poll(5000), 5)  # the last good version stayed in force until this one
-    sub.close()
-    raw.close()
 
 
-def test_curve_subscriber_needs_the_server_key():
+def test_curve_subscriber_needs_the_server_key(subscriber):
     with WeightPublisher(auth="curve", chunk_mb=CHUNK_MB) as pub:
         pub.publish(weights(1), 1)
-        good = WeightSubscriber(pub.endpoint, server_public_key=pub.public_key, transport="tcp")
-        no_key = WeightSubscriber(pub.endpoint)
-        wrong_key = WeightSubscriber(pub.endpoint, server_public_key=zmq.curve_keypair()[0])
+        good = subscriber(pub.endpoint, server_public_key=pub.public_key, transport="tcp")
+        no_key = subscriber(pub.endpoint)
+        wrong_key = subscriber(pub.endpoint, server_public_key=zmq.curve_keypair()[0])
         assert_weights(good.poll(5000), 1)
         assert no_key.poll(800) is None and wrong_key.poll(200) is None
         assert no_key.stats()["received"] == wrong_key.stats()["received"] == 0
-        for sub in (good, no_key, wrong_key):
-            sub.close()
 
 
 def test_non_loopback_bind_needs_curve():

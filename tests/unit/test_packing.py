@@ -28,6 +28,7 @@ def random_tree(rng: np.random.Generator, tree_id: str, vocab: int = 200, max_le
     masks, NaN behavior log-probs on loss tokens, several children at one anchor, an empty prompt (the first
     token then has no context and is left out of the loss in both layouts)."""
     b = TreeBuilder(tree_id, rng.integers(3, vocab, int(rng.integers(0, 6))))  # empty prompts too
+    made: list[int] = []
 
     def turn(parent: int) -> int:
         size = int(rng.integers(0, max_len))
@@ -35,24 +36,23 @@ def random_tree(rng: np.random.Generator, tree_id: str, vocab: int = 200, max_le
         lp[rng.random(size) < 0.05] = np.nan
         mask = rng.random(size) < 0.85
         obs = rng.integers(3, vocab, int(rng.integers(0, 5)))
-        return b.add_turn(parent, rng.integers(3, vocab, size), lp, obs, loss_mask=mask)
+        made.append(b.add_turn(parent, rng.integers(3, vocab, size), lp, obs, loss_mask=mask))
+        return made[-1]
 
-    frontier, leaves = [0], []
+    frontier = [0]
     for _ in range(int(rng.integers(1, 4))):  # trajectories
         node, chain = 0, []
         for _ in range(int(rng.integers(1, 4))):
             node = turn(node)
             chain.append(node)
-        leaves.append(node)
         frontier += chain
     for _ in range(int(rng.integers(0, 4))):  # branches under random existing turns
         node = turn(int(rng.choice(frontier[1:])))
         if rng.random() < 0.5:
-            node = turn(node)
-        leaves.append(node)
-    nodes_with_kids = {b.node(i).parent for i in range(1, len(b._nodes))}
-    for i in range(1, len(b._nodes)):
-        if i not in nodes_with_kids:
+            turn(node)
+    parents = {b.node(i).parent for i in made}
+    for i in made:
+        if i not in parents:
             b.set_reward(i, float(rng.random() < 0.5))
     return b.build()
 
