@@ -56,7 +56,7 @@ class SamplerActor(FaultAwareApply):
         self.wait_for_weights_s += time.perf_counter() - t0
         granted = ray.get(self.store.admit.remote(n))
         if granted == 0:
-            return {"admitted": 0.0, "trees": 0.0}
+            return {"admitted": 0.0, "trees": 0.0, "metrics": self.get_metrics()}
         try:
             trees = self.worker.sample(granted)
             ray.get(self.store.put_raw.remote(encode_ipc(trees)))
@@ -67,7 +67,8 @@ class SamplerActor(FaultAwareApply):
         if unused:
             ray.get(self.store.release.remote(unused))  # trees dropped by on_verifier_error=drop_tree
         lags = [self.worker.version - min(t.versions) for t in trees]
-        return {"admitted": float(granted), "trees": float(len(trees)), "lag": float(max(lags, default=0))}
+        out = {"admitted": float(granted), "trees": float(len(trees)), "lag": float(max(lags, default=0))}
+        return {**out, "metrics": self.get_metrics()}  # metrics ride along: no extra (blocking) call
 
     def get_metrics(self) -> dict[str, float]:
         stats = dict(self.worker.stats)

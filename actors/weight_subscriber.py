@@ -3,24 +3,31 @@
 `poll` returns only complete, verified versions newer than the last one it returned. A version whose header,
 chunks or tensors fail their checks (system/weight_codec.py) is rejected: logged, counted in `stats()`, the
 last good version stays in force, and the latest is asked for again (at most `max_retries` times per version;
-after that only a newer announcement is tried). Payloads come from the publisher's shared-memory file when it
-is visible here (same host), otherwise as chunks over the socket with `window` requests in flight.
+after that only a newer announcement is tried).
+
+Where the payload comes from: on the publisher's host, its memfd (opened through /proc/PID/fd/N, checked to be
+the announced inode, mapped copy-on-write). If the memfd is sealed against writes and resizes, its bytes are
+the ones the publisher hashed and nobody can change them, so they are not hashed again (`verify_sealed=True`
+hashes them anyway); an unsealed one is verified chunk by chunk and tensor by tensor. Anywhere else: chunks
+over the socket, `window` requests in flight, each checked on arrival. `stats()["transport"]` says which
+("shm" or "tcp") and `stats()["verified"]` how ("sealed" or "checksums").
 
 Usage (the sampler, between turns)::
 
     sub = WeightSubscriber(pub.endpoint)              # + server_public_key=pub.public_key with CURVE
     got = sub.poll(timeout_ms=0)
     if got is not None:
-        backend.load_weights(got[1], version=got[0])       # then stamp got[0] on what is sampled next
+        backend.load_weights(got[1], version=got[0])  # then stamp got[0] on what is sampled next
 
-Returned arrays are numpy (views of one private buffer or a private copy-on-write mapping); bfloat16 tensors
-come back as torch.bfloat16 tensors (numpy has no bfloat16), or as raw uint16 bits with `bfloat16="uint16"`.
+Arrays are numpy (writable views of one private buffer or mapping); bfloat16 tensors come back as
+torch.bfloat16 tensors (numpy has no bfloat16), or as raw uint16 bits with `bfloat16="uint16"`.
 Not thread-safe: one thread polls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import mmap
@@ -37,6 +44,7 @@ from system.weight_codec import WeightAssembler, WeightHeader, WeightMessageErro
 log = logging.getLogger(__name__)
 META = struct.Struct(">QII")  # version, chunk index, fetch tag (echoed by the publisher)
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: map every page now, without breaking copy-on-write
+_SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW")) or -1
 
 
 class _Gone(Exception):
@@ -57,6 +65,7 @@ class WeightSubscriber:
         refresh_s: float = 2.0,
         threads: int | None = None,
         bfloat16: str = "torch",
+        verify_sealed: bool = False,
         max_retries: int = 1,
     ) -> None:
         if transport not in ("auto", "tcp"):
@@ -65,7 +74,7 @@ class WeightSubscriber:
             )
         self.endpoint, self.transport, self.window = endpoint, transport, max(1, window)
         self.fetch_timeout_s, self.refresh_s, self.max_retries = fetch_timeout_s, refresh_s, max_retries
-        self.bfloat16 = bfloat16
+        self.bfloat16, self.verify_sealed = bfloat16, verify_sealed
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.IPV6, int("[" in endpoint))):
@@ -82,7 +91,7 @@ class WeightSubscriber:
         self._tag = 0
         self._asked = 0.0
         self._stats: dict[str, Any] = {"received": 0, "rejected": 0, "gone": 0, "bad_messages": 0}
-        self._stats.update({"last_error": "", "fetch_s": 0.0, "transport": "", "bytes": 0})
+        self._stats.update({"last_error": "", "fetch_s": 0.0, "transport": "", "verified": "", "bytes": 0})
         self.request_latest()
 
     # ---- WeightSink ------------------------------------------------------------------------------------
@@ -177,33 +186,33 @@ class WeightSubscriber:
 
     # ---- transports ------------------------------------------------------------------------------------
     def _from_shm(self, header: WeightHeader, locator: dict[str, Any]) -> dict[str, Any] | None:
-        """The publisher's file mapped and verified in place; None when that file is not visible here."""
-        path = locator.get("path")
-        if not isinstance(path, str) or not os.path.basename(path).startswith("treeopsd-w-"):
+        """The publisher's memfd mapped copy-on-write and checked in place; None when it is not reachable."""
+        path = locator.get("proc")
+        if not isinstance(path, str) or not path.startswith("/proc/"):
             return None
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
-            return None  # another host, another container, or already retired: use the socket
+            return None  # another host or container, or already retired: use the socket
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (locator.get("dev"), locator.get("ino")):
-                return None  # same name, different file
+                return None  # the descriptor number now names another file
             if st.st_size != header.total_bytes:
-                raise WeightMessageError(
-                    f"v{header.version}: shared-memory file holds {st.st_size} bytes, header says "
-                    f"{header.total_bytes} (truncated?)"
-                )
-            buf: Any = bytearray()
-            if header.total_bytes:
-                # Private copy-on-write mapping: arrays are writable, pages stay shared until written.
-                buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-                with contextlib.suppress(OSError, ValueError):
-                    buf.madvise(_MADV_POPULATE_READ)
+                raise WeightMessageError(f"v{header.version}: payload holds {st.st_size} bytes, header says "
+                                         f"{header.total_bytes} (truncated?)")  # fmt: skip
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if hasattr(fcntl, "F_GET_SEALS") else 0
+            buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            with contextlib.suppress(OSError, ValueError):  # map every page now; writes would stay private
+                buf.madvise(_MADV_POPULATE_READ)
         finally:
             os.close(fd)
+        # Sealed against writes and resizes (kernel-enforced) after the publisher hashed what it wrote: these
+        # bytes cannot differ from the checksummed ones, so hashing them again here proves nothing.
+        trusted = seals & _SEALS == _SEALS and not self.verify_sealed
         asm = WeightAssembler(header, buf)
-        asm.verify_buffer(self._pool.map if self._pool is not None else map)
+        asm.verify_buffer(self._pool.map if self._pool is not None else map, trusted=trusted)
+        self._stats["verified"] = "sealed" if trusted else "checksums"
         return asm.finish(self.bfloat16)
 
     def _from_socket(self, header: WeightHeader) -> dict[str, Any]:
@@ -235,4 +244,5 @@ class WeightSubscriber:
                 raise WeightMessageError(f"v{v}: chunk {index} message has {len(frames)} frames, expected 3")
             asm.add_chunk(frames[2].buffer, index)
             inflight -= 1
+        self._stats["verified"] = "checksums"
         return asm.finish(self.bfloat16)

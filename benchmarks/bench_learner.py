@@ -3,10 +3,12 @@
 Batch: 8 credited trees (the default `learner.batch_trees`) in 4 sequential mini-batches, TreeOPSD loss,
 AdamW; each tree has a ~60-token prompt, 4 trajectories of 2–5 turns (15–40 model tokens, ~40 observation
 tokens each) and 2 branches per trajectory. Every configuration trains its own copy of the same initial
-weights; repetitions are interleaved (packed, paths, packed, ...) so a noisy shared CPU hits all alike. Step
-times are the minimum over repetitions (other processes only ever add time, so the minimum is the most
-stable estimate of a step's own cost on a shared machine); `models.*.median_*` keep the medians. One torch
-thread.
+weights; repetitions are interleaved (packed, paths, packed, ...) so a noisy shared CPU hits all alike.
+
+Step times are process CPU seconds (one torch thread, so CPU time is the step's own work: on a dedicated core
+it equals wall time, and on a shared machine it leaves out the time the scheduler gave to other processes),
+the minimum over repetitions (contention only ever adds time). `models.*.wall_*` keep the wall-clock minima
+and medians for comparison.
 
 Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 / 4 layers as well):
     packed_step_s        tree-packed step (every stored token once, block-sparse tree attention)
@@ -94,15 +96,18 @@ def _learner(model, packed: bool, attention: str) -> Learner:
     return Learner(copy.deepcopy(model), cfg, attention=attention)
 
 
-def _time(learners: dict[str, Learner], trees: list[RolloutTree], reps: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {k: [] for k in learners}
+def _time(learners: dict[str, Learner], trees: list[RolloutTree], reps: int):
+    """(CPU seconds, wall seconds) per configuration and repetition."""
+    cpu: dict[str, list[float]] = {k: [] for k in learners}
+    wall: dict[str, list[float]] = {k: [] for k in learners}
     for rep in range(reps + 1):  # rep 0 warms up (allocator, plan caches, lazy init)
         for name, learner in learners.items():
-            t0 = time.perf_counter()
+            c0, w0 = time.process_time(), time.perf_counter()
             learner.step(trees)
             if rep:
-                times[name].append(time.perf_counter() - t0)
-    return times
+                cpu[name].append(time.process_time() - c0)
+                wall[name].append(time.perf_counter() - w0)
+    return cpu, wall
 
 
 def _bench_model(model, trees: list[RolloutTree], reps: int, dense: bool) -> dict[str, float]:
@@ -113,14 +118,15 @@ def _bench_model(model, trees: list[RolloutTree], reps: int, dense: bool) -> dic
     }
     if dense:
         learners["packed_dense_mask"] = _learner(model, True, "mask")
-    times = _time(learners, trees, reps)
-    t = {k: min(v) for k, v in times.items()}
-    out = {f"{k}_step_s": round(v, 4) for k, v in t.items()}
+    cpu, wall = _time(learners, trees, reps)
+    t = {k: min(v) for k, v in cpu.items()}
+    out: dict[str, float] = {f"{k}_step_s": round(v, 4) for k, v in t.items()}
     out["packed_speedup"] = round(t["paths"] / t["packed"], 3)
     out["packed_speedup_vs_padded"] = round(t["paths_padded"] / t["packed"], 3)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    out.update({f"median_{k}_step_s": round(v, 4) for k, v in med.items()})
-    out["median_packed_speedup"] = round(med["paths"] / med["packed"], 3)
+    for stat, fn in (("min", min), ("median", statistics.median)):
+        w = {k: fn(v) for k, v in wall.items()}
+        out.update({f"wall_{stat}_{k}_step_s": round(v, 4) for k, v in w.items()})
+        out[f"wall_{stat}_packed_speedup"] = round(w["paths"] / w["packed"], 3)
     out["reps"] = reps
     return out
 

@@ -10,7 +10,9 @@
    (HF: a new HFBackend; vLLM: the same engine with its request counter rewound and its prefix cache
    reset, since starting a second engine costs ~50 s). Only `backend.sample` is timed; `replay_identical`
    is the fraction of requests that came back with the same token ids.
-   `sampler_over_raw` = raw_s / sampler_s (tokens/s ratio, same tokens; goal >= 0.9).
+   `sampler_over_raw` = raw_s / sampler_s (tokens/s ratio, same tokens; goal >= 0.9). Both phases run
+   `repeats` times from the same state and the best time counts (the machine is shared);
+   `sampler_backend_s` / `sampler_overhead_s` split the best sampler run into backend time and ours.
 3. Prefix reuse for branches: over the requests that start a branch (context = the anchor's shared prefix),
    `prefix_tokens_total` (what a no-cache engine prefills), `prefix_tokens_cached` (the backend's
    `cached_prefix_tokens`), `prefix_tokens_recomputed`, `recompute_saved_frac`. `hf_*` are the HF backend's
@@ -19,7 +21,7 @@
    (`kv_block_size`, 128 tokens on CPU), so only the block-aligned part of a shared prefix is reused.
 
 Model: a finished warm-start in launch/model_setup.py's cache if there is one, else a tiny model built here
-from the synthetic KB's tokenizer texts and given a short SFT on oracle trajectories (`quick_sft_steps`):
+from the synthetic KB's tokenizer texts and given a short SFT on oracle trajectories (QUICK_SFT_STEPS):
 a random-init model never emits a stop token or a tool call, so its episodes end after one turn and its
 trees have no branches to measure.
 """
@@ -43,7 +45,8 @@ class RecordingBackend:
     """Forwards to a backend; keeps each `sample` call's (requests, results) and the time spent in it."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.calls, self.backend_s = inner, [], 0.0
+        self.inner, self.backend_s = inner, 0.0
+        self.calls: list[tuple[list[Any], list[Any]]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -200,7 +203,9 @@ def _measure(cfg: Any, model: str, prompts: int, chunk: int, repeats: int) -> di
         eos = worker.chat.stop_token_ids[0]
         _warm_up(rec.inner, eos)
         n0, rng_state = getattr(rec.inner, "_n_requests", 0), worker.rng.bit_generator.state
-        sampler_s, raw_s, first = [], [], None
+        sampler_s: list[tuple[float, float]] = []
+        raw_s: list[float] = []
+        runs: list[tuple[list[Any], list[Any]]] = []  # (trees, calls) per repeat; all repeats are equal
         for _ in range(repeats):
             _fresh(cfg, model, rec, eos, n0)
             worker.rng.bit_generator.state, worker.counter, rec.calls = rng_state, 0, []
@@ -208,20 +213,21 @@ def _measure(cfg: Any, model: str, prompts: int, chunk: int, repeats: int) -> di
             t1, rec.backend_s = time.perf_counter(), 0.0
             trees = [t for i in range(0, prompts, chunk) for t in worker.sample(min(chunk, prompts - i))]
             sampler_s.append((time.perf_counter() - t1, rec.backend_s))
-            first = first or (trees, rec.calls)
+            runs.append((trees, rec.calls))
             _fresh(cfg, model, rec, eos, n0)
             gc.collect()
-            seconds, n_req, same = _replay(first[1], rec.inner)
+            seconds, n_req, same = _replay(runs[0][1], rec.inner)
             raw_s.append(seconds)
         block = _block_size(rec.inner)
     finally:
         rec.inner.close()
     out = {"engine_start_s": round(start_s, 1), "kv_block_size": block, "repeats": repeats}
     best, inside = min(sampler_s)
-    out.update(_throughput(first[0], first[1], best, min(raw_s), n_req, same))
+    trees, calls = runs[0]
+    out.update(_throughput(trees, calls, best, min(raw_s), n_req, same))
     out["sampler_backend_s"] = round(inside, 3)  # of the best sampler run: time inside backend.sample
     out["sampler_overhead_s"] = round(best - inside, 3)  # agent loop, env, tree building
-    return {**out, **_prefix_report(cfg, model, first[1])}
+    return {**out, **_prefix_report(cfg, model, calls)}
 
 
 def _throughput(

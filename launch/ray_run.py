@@ -127,6 +127,7 @@ class Driver:
         self.step = int(ray.get(topo.learner.progress.remote())["step"])
         self.target = self.step
         self.sampler_failures = 0
+        self.sampler_metrics: dict[int, dict[str, float]] = {}  # latest snapshot per sampler
         self.last_flush = time.perf_counter()
 
     def run(self, steps: int) -> dict[str, Any]:
@@ -157,6 +158,8 @@ class Driver:
                 self.sampler_failures += 1
                 ray.get(self.topo.store.release.remote(self.cfg.sampler.prompts_per_request))
                 log.warning("sampler %s failed: %s", result.actor_id, result.get())
+                continue
+            self.sampler_metrics[result.actor_id] = result.get()["metrics"]
         self.topo.manager.probe_unhealthy_actors(timeout_seconds=0.1, mark_healthy=True)
 
     def _tick_backup(self) -> None:
@@ -185,15 +188,12 @@ class Driver:
     def flush(self) -> None:
         """Role metrics → MetricsLogger (sum of counters / mean of rates across samplers) → tensorboard."""
         healthy = self.topo.manager.healthy_actor_ids()
-        window = max(len(healthy), 1)
-        for res in self.topo.manager.foreach_actor(
-            "get_metrics", remote_actor_ids=healthy, timeout_seconds=5
-        ):
-            if res.ok:
-                for key, value in res.get().items():
-                    reduce = "mean" if key.endswith(("_per_s", "version", "ratio")) else "sum"
-                    self.metrics.log_value(key, value, reduce=reduce, window=window)
-        backup = ray.get(self.topo.backup.get_metrics.remote())
+        snapshots = [m for i, m in self.sampler_metrics.items() if i in healthy]
+        for snapshot in snapshots:
+            for key, value in snapshot.items():
+                reduce = "mean" if key.endswith(("_per_s", "version", "ratio")) else "sum"
+                self.metrics.log_value(key, value, reduce=reduce, window=max(len(snapshots), 1))
+        backup = ray.get(self.topo.backup.get_metrics.remote())  # short wait at most: run_once is quick
         store = ray.get(self.topo.store.stats.remote())
         values = {k: float(s.peek()) for k, s in self.metrics.reduce().items()}
         values.update(backup)

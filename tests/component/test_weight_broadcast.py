@@ -4,9 +4,11 @@ The tcp path is exercised with transport="tcp"; subscribers on this host otherwi
 shared-memory file. Corruption on the socket path comes from a raw ZeroMQ ROUTER speaking the protocol.
 """
 
+import contextlib
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -85,26 +87,42 @@ def test_late_joiner_and_missed_versions_get_the_latest(publisher, subscriber):
     assert early.poll(200) is None
 
 
-def test_corrupted_or_truncated_shared_memory_file_is_rejected(publisher, subscriber):
+def test_same_host_payload_is_sealed_and_not_rehashed(publisher, subscriber):
     sub = subscriber(publisher.endpoint)
+    checked = subscriber(publisher.endpoint, verify_sealed=True)
     publisher.publish(weights(1), 1)
+    path = publisher.stats()["payload_path"]  # /proc/PID/fd/N of the memfd
+    with pytest.raises(PermissionError), open(path, "r+b") as f:
+        f.write(b"x")  # sealed: the kernel refuses writes, to every process
+    with pytest.raises(PermissionError):
+        os.truncate(path, 100)
     assert_weights(sub.poll(5000), 1)
-    publisher.publish(weights(2), 2)
-    path = publisher.stats()["shm_path"]
-    with open(path, "r+b") as f:  # flip one byte of the published payload
-        f.seek(1000)
-        byte = f.read(1)
-        f.seek(1000)
-        f.write(bytes([byte[0] ^ 0x01]))
-    assert sub.poll(500) is None
-    stats = sub.stats()
-    assert stats["version"] == 1 and stats["rejected"] >= 1 and "checksum mismatch" in stats["last_error"]
-    publisher.publish(weights(3), 3)
-    os.truncate(publisher.stats()["shm_path"], 100)
-    assert sub.poll(500) is None
-    assert sub.stats()["version"] == 1 and "truncated" in sub.stats()["last_error"]
-    publisher.publish(weights(4), 4)
-    assert_weights(sub.poll(5000), 4)  # recovers with the next good version
+    assert_weights(checked.poll(5000), 1)
+    assert (sub.stats()["transport"], sub.stats()["verified"]) == ("shm", "sealed")
+    assert (checked.stats()["transport"], checked.stats()["verified"]) == ("shm", "checksums")
+
+
+def test_corrupted_or_truncated_unsealed_payload_is_rejected(subscriber):
+    with WeightPublisher(chunk_mb=CHUNK_MB, seal=False) as pub:
+        sub = subscriber(pub.endpoint)
+        pub.publish(weights(1), 1)
+        assert_weights(sub.poll(5000), 1)
+        pub.publish(weights(2), 2)
+        with open(pub.stats()["payload_path"], "r+b") as f:  # flip one byte of the published payload
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0x01]))
+        assert sub.poll(500) is None
+        stats = sub.stats()
+        assert stats["version"] == 1 and stats["rejected"] >= 1 and "checksum mismatch" in stats["last_error"]
+        pub.publish(weights(3), 3)
+        os.truncate(pub.stats()["payload_path"], 100)
+        assert sub.poll(500) is None
+        assert sub.stats()["version"] == 1 and "truncated" in sub.stats()["last_error"]
+        pub.publish(weights(4), 4)
+        assert_weights(sub.poll(5000), 4)  # recovers with the next good version
+        assert sub.stats()["verified"] == "checksums"
 
 
 class RawPublisher:
@@ -197,7 +215,17 @@ def test_non_loopback_bind_needs_curve():
     WeightPublisher(bind_host="localhost").close()
 
 
-def test_unknown_versions_and_bad_requests(publisher, tmp_path):
+def memfds() -> set[int]:
+    """Inodes of the payload memfds this process holds open (a mapping holds its own descriptor too)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # e.g. the descriptor listdir itself used
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:treeopsd"):
+                inodes.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+    return inodes
+
+
+def test_unknown_versions_and_bad_requests(publisher):
     publisher.publish(weights(1), 1)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(publisher.endpoint)
@@ -208,11 +236,14 @@ def test_unknown_versions_and_bad_requests(publisher, tmp_path):
     assert dealer.poll(5000) and dealer.recv_multipart()[0] == b"ANNOUNCE"
     assert publisher.stats()["bad_requests"] == 1
     dealer.close(linger=0)
-    with WeightPublisher(shm_dir=str(tmp_path), keep=1) as pub:
+    while not publisher.stats()["spare_ready"]:  # its background allocation would skew the count
+        time.sleep(0.01)
+    before = memfds()
+    with WeightPublisher(keep=1) as pub:
         for v in (1, 2, 3):
             pub.publish(weights(v), v)
-        assert len(os.listdir(tmp_path)) <= 2  # the newest version + the pre-allocated spare
-    assert os.listdir(tmp_path) == []  # close removes every file
+        assert len(memfds() - before) <= 2  # the newest version + the pre-allocated spare
+    assert memfds() <= before  # close releases every payload
 
 
 def test_in_memory_twin_has_the_same_contract():
