@@ -51,6 +51,7 @@ class SamplerActor(FaultAwareApply):
     def sample_and_push(self, n: int, min_version: int = 0, wait_s: float = 60.0) -> dict[str, float]:
         """Samples up to n admitted trees (after reaching `min_version`), commits them, returns metrics."""
         t0 = time.perf_counter()
+        self.poll_weights()  # an idle sampler still picks up each broadcast on its next call
         while self.worker.version < min_version and time.perf_counter() - t0 < wait_s:
             self.poll_weights(timeout_ms=100)
         self.wait_for_weights_s += time.perf_counter() - t0

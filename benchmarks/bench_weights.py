@@ -99,13 +99,14 @@ def _weight_receiver(kind: str, endpoint: str, out: zmq.Socket, sub_id: int, las
         if got is None:
             continue
         version, tensors = got
+        t_got = time.perf_counter()
         if backend is not None:
             backend.load_weights(tensors, version)
         del tensors
         if os.environ.get("BENCH_DEBUG"):
             import sys
 
-            print("  sub", kind, version, sub.stats()["fetch_s"], time.perf_counter(), file=sys.stderr)
+            sys.stderr.write(f"  sub{sub_id} {kind} v{version} got_at={t_got:.3f} fetch={sub.stats()['fetch_s']:.3f} acked_at={time.perf_counter():.3f}\n")
         out.send_string(f"{sub_id} {version}")
     sub.close()
 
@@ -165,7 +166,7 @@ class _Ours:
         self.publish_s = min(self.publish_s, self.pub.stats()["publish_s"])  # the warm-up is the slowest
         if os.environ.get("BENCH_DEBUG"):
             import sys
-            print(self.group.kind, version, round(time.perf_counter() - t0, 3), round(self.pub.stats()["publish_s"], 3), t0, file=sys.stderr)
+            sys.stderr.write(f"{self.group.kind} n={len(self.group.procs)} v{version} t0={t0:.3f} total={time.perf_counter() - t0:.3f} publish={self.pub.stats()['publish_s']:.3f}\n")
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -12,10 +12,12 @@ baseline with the same components: samplers wait for the newest weights before e
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -30,6 +32,7 @@ from storage.metrics import TensorboardSink
 from storage.replay_store_actor import start_store_actor
 
 log = logging.getLogger(__name__)
+CONTROL_FILE = "control.json"
 LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -102,12 +105,10 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
     return topo
 
 
-def scale_samplers(topo: Topology, cfg: Config, n: int) -> None:
-    """Adds or removes sampler actors; new ones subscribe and fetch the latest weights on start."""
-    ids = topo.manager.actor_ids()
-    for actor_id in ids[n:]:
-        handle = topo.manager.remove_actor(actor_id)
-        ray.kill(handle, no_restart=True)
+def scale_samplers(topo: Topology, cfg: Config, n: int, retiring: frozenset[int] = frozenset()) -> list[int]:
+    """Adds sampler actors up to n (they subscribe and fetch the latest weights on start); returns the ids
+    to retire when there are more than n — the driver stops calling those and removes them when idle."""
+    ids = sorted(i for i in topo.manager.actor_ids() if i not in retiring)
     for _ in range(n - len(ids)):
         data, model_path, store, endpoint, key = topo.args
         opts = role_options(cfg, "sampler")
@@ -116,6 +117,19 @@ def scale_samplers(topo: Topology, cfg: Config, n: int) -> None:
         )
         topo.next_index += 1
         topo.manager.add_actors([actor])
+    return ids[n:] if n < len(ids) else []
+
+
+def read_control(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """`treeopsd scale` writes run_dir/control.json atomically; None when there is none."""
+    path = Path(run_dir) / CONTROL_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:
+        log.warning("ignoring unreadable %s: %s", path, e)
+        return None
 
 
 class Driver:
@@ -128,12 +142,15 @@ class Driver:
         self.target = self.step
         self.sampler_failures = 0
         self.sampler_metrics: dict[int, dict[str, float]] = {}  # latest snapshot per sampler
+        self.retiring: set[int] = set()
+        self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
         self.last_flush = time.perf_counter()
 
     def run(self, steps: int) -> dict[str, Any]:
         t0, started_at, self.target = time.perf_counter(), self.step, steps
         limit = self.cfg.run.time_limit_s
         while self.step < steps and not (limit and time.perf_counter() - t0 > limit):
+            self._check_control()
             self._tick_samplers()
             self._tick_backup()
             self._tick_learner()
@@ -149,10 +166,20 @@ class Driver:
             "sampler_restarts": self.topo.manager.total_num_restarts(),
         }
 
+    def _check_control(self) -> None:
+        control = read_control(self.cfg.run.run_dir)
+        if control and control.get("seq", 0) > self.control_seq:
+            self.control_seq = control["seq"]
+            n = int(control["samplers"])
+            log.info("scaling samplers to %d", n)
+            self.retiring |= set(scale_samplers(self.topo, self.cfg, n, frozenset(self.retiring)))
+
     def _tick_samplers(self) -> None:
         sync = self.cfg.run.mode == "sync" or self.cfg.store.eta == 0
         kwargs = {"n": self.cfg.sampler.prompts_per_request, "min_version": self.step if sync else 0}
-        self.topo.manager.foreach_actor_async("sample_and_push", kwargs=kwargs)
+        active = [i for i in self.topo.manager.healthy_actor_ids() if i not in self.retiring]
+        if active:
+            self.topo.manager.foreach_actor_async("sample_and_push", kwargs=kwargs, remote_actor_ids=active)
         for result in self.topo.manager.fetch_ready_async_reqs(timeout_seconds=0.05):
             if not result.ok:  # the actor died mid-call: its reservation goes back, Ray restarts it
                 self.sampler_failures += 1
@@ -161,6 +188,15 @@ class Driver:
                 continue
             self.sampler_metrics[result.actor_id] = result.get()["metrics"]
         self.topo.manager.probe_unhealthy_actors(timeout_seconds=0.1, mark_healthy=True)
+        self._retire_idle()
+
+    def _retire_idle(self) -> None:
+        """Removes retiring samplers once their last call has returned (its trees are committed)."""
+        for actor_id in list(self.retiring):
+            if self.topo.manager._remote_actor_states[actor_id].get_num_in_flight_requests() == 0:
+                ray.kill(self.topo.manager.remove_actor(actor_id), no_restart=True)
+                self.retiring.discard(actor_id)
+                self.sampler_metrics.pop(actor_id, None)
 
     def _tick_backup(self) -> None:
         ref = self.topo.refs.get("backup")

@@ -54,11 +54,11 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import zmq
 
 from system.weight_codec import WeightAssembler, encode_weights
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; an older kernel just faults pages in lazily
 _MEMFD = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 _SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW"))
 META = struct.Struct(">QII")  # version, chunk index, fetch tag
@@ -88,9 +88,10 @@ class _Payload:
             os.posix_fallocate(self.fd, 0, size)
         os.ftruncate(self.fd, size)
         self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        if prefault:
-            with contextlib.suppress(OSError, ValueError):
-                self.mm.madvise(_MADV_POPULATE_WRITE)
+        if prefault:  # fault every page in now, not during the publish copy (madvise would hold the GIL)
+            pages = np.frombuffer(self.mm, np.uint8)[:: mmap.PAGESIZE]
+            pages[:] = 0
+            del pages  # an export of the mapping: sealing needs it gone
         st = os.fstat(self.fd)
         self.dev, self.ino = st.st_dev, st.st_ino
 
@@ -120,11 +121,6 @@ class _Payload:
                 self.mm.close()
 
 
-def _lower_priority() -> None:
-    with contextlib.suppress(OSError, AttributeError):  # Linux: per-thread nice value
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 class _PayloadStore:
     """The newest `keep` payloads by version, plus one pre-allocated spare for the next publish."""
 
@@ -133,8 +129,8 @@ class _PayloadStore:
         self._payloads: dict[int, _Payload] = {}
         self._lock = threading.Lock()
         self._hash_pool = ThreadPoolExecutor(threads, "weight-hash") if threads > 1 else None
-        # Lowest priority: pre-faulting must not steal CPU from subscribers taking the last publish.
-        self._bg = ThreadPoolExecutor(1, "weight-prealloc", initializer=_lower_priority)
+        # Normal priority on purpose: a niced thread that holds the GIL while descheduled stalls the caller.
+        self._bg = ThreadPoolExecutor(1, "weight-prealloc")
         self._spare: Future[_Payload] | None = None
 
     def _take(self, size: int) -> _Payload:
