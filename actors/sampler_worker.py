@@ -126,7 +126,9 @@ class SamplerWorker:
 
     def apply_weights(self, named: dict[str, Any], version: int) -> None:
         if version > self.version:
-            self.backend.load_weights(named, version)
+            t0 = time.perf_counter()
+            self.backend.load_weights(named, version)  # in place: no engine restart
+            self.stats["weights/apply_s"] = time.perf_counter() - t0
 
     def sample(self, n: int) -> list[RolloutTree]:
         """n prompts drawn uniformly from the training split → n trees (fewer if dropped by policy)."""

@@ -87,6 +87,7 @@ class WeightSubscriber:
         self._pool = ThreadPoolExecutor(threads, "weight-verify") if threads > 1 else None
         self.version = -1  # last version returned by poll
         self._offer: tuple[WeightHeader, dict[str, Any]] | None = None
+        self._source: str | None = None  # the publisher incarnation that sent `version`
         self._failures: dict[int, int] = {}
         self._tag = 0
         self._asked = 0.0
@@ -147,9 +148,14 @@ class WeightSubscriber:
             except (WeightMessageError, ValueError) as e:
                 self._reject(-1, WeightMessageError(f"bad announcement: {e}"))
                 return
-            v = header.version
-            newest = self._offer[0].version if self._offer is not None else self.version
-            if v > newest and self._failures.get(v, 0) <= self.max_retries:
+            v, source = header.version, locator.get("publisher")
+            if self._offer is not None:
+                base_v, base_source = self._offer[0].version, self._offer[1].get("publisher")
+            else:
+                base_v, base_source = self.version, self._source
+            # A restarted publisher is followed even with lower versions: its learner resumed from an older
+            # checkpoint, and those are the weights being trained now.
+            if (v > base_v or source != base_source) and self._failures.get(v, 0) <= self.max_retries:
                 self._offer = (header, locator)
         elif kind not in (b"NONE", b"CHUNK", b"GONE"):  # late chunks of an abandoned fetch are expected
             self._stats["bad_messages"] += 1
@@ -177,7 +183,7 @@ class WeightSubscriber:
             self._stats["gone"] += 1
             self.request_latest()
             return None
-        self.version = header.version
+        self.version, self._source = header.version, locator.get("publisher")
         self._stats.update(
             received=self._stats["received"] + 1, transport=transport, bytes=header.total_bytes
         )

@@ -5,16 +5,17 @@
 
 Every subscriber runs in its own spawned process. A timing runs from just before `publish` (or the bare
 send) until every subscriber has acknowledged holding a complete, verified copy (or, for the bare send, the
-received frames); each figure is the best of `reps` runs after one warm-up, with a pause between runs that
-lets the publisher pre-allocate its next shared-memory file, as training between publishes would.
+received frames). All cases run side by side and take turns, round by round, so that load from other
+processes hits them alike; each figure is the best of `reps` rounds after a warm-up round. Before each turn
+every publisher has its next memfd pre-allocated, as training between publishes would allow.
 
 Keys: payload_mb; raw_zmq_s_1 (PUSH/PULL, send_multipart of the tensors' buffers with copy=False, to one
 process that takes the frames and checks nothing); broadcast_s_1 / broadcast_s_4 (ours, default transport:
 shared memory on one host); broadcast_over_raw_zmq (throughput ratio ours/raw, goal >= 0.8);
 fanout4_over_fanout1 (goal <= 1.5); broadcast_tcp_s_1 / broadcast_tcp_s_4 / tcp_fanout4_over_fanout1 (ours
-with transport="tcp", the cross-host path, for reference); publish_s (the publisher's hash-and-snapshot part
+with transport="tcp", the cross-host path, for reference); publish_s (the publisher's copy-hash-seal part
 of a broadcast); apply_s_hf (publish until the weights are loaded into an HF model with HFBackend.load_weights
-in the subscriber process); cpus.
+in the subscriber process); cpus and load_avg_1m (the machine's load at the end: other processes share it).
 """
 
 from __future__ import annotations
@@ -99,14 +100,9 @@ def _weight_receiver(kind: str, endpoint: str, out: zmq.Socket, sub_id: int, las
         if got is None:
             continue
         version, tensors = got
-        t_got = time.perf_counter()
         if backend is not None:
             backend.load_weights(tensors, version)
         del tensors
-        if os.environ.get("BENCH_DEBUG"):
-            import sys
-
-            sys.stderr.write(f"  sub{sub_id} {kind} v{version} got_at={t_got:.3f} fetch={sub.stats()['fetch_s']:.3f} acked_at={time.perf_counter():.3f}\n")
         out.send_string(f"{sub_id} {version}")
     sub.close()
 
@@ -153,7 +149,6 @@ class _Ours:
 
         self.pub = WeightPublisher(keep=1)
         self.group = _Group(kind, n, self.pub.endpoint, rounds, cfg)
-        self.group.kind = kind
         self.publish_s = float("inf")
 
     def ready(self) -> bool:
@@ -164,9 +159,6 @@ class _Ours:
         self.pub.publish(payload, version)
         self.group.wait(str(version))
         self.publish_s = min(self.publish_s, self.pub.stats()["publish_s"])  # the warm-up is the slowest
-        if os.environ.get("BENCH_DEBUG"):
-            import sys
-            sys.stderr.write(f"{self.group.kind} n={len(self.group.procs)} v{version} t0={t0:.3f} total={time.perf_counter() - t0:.3f} publish={self.pub.stats()['publish_s']:.3f}\n")
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -206,8 +198,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _config((32 if quick else 256) << 20)
     payload = _payload(cfg)
     nbytes = sum(a.nbytes for a in payload.values())
-    # All cases live side by side and take turns, round by round, so that load from other processes on the
-    # machine hits them alike; round 0 is the warm-up; each figure is the best round.
     shapes = {"raw": None, "ours_1": ("auto", 1), "ours_4": ("auto", 4), "tcp_1": ("tcp", 1)}
     shapes.update({"tcp_4": ("tcp", 4), "apply": ("apply", 1)})
     cases: dict[str, Any] = {}
@@ -236,5 +226,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fanout4_over_fanout1": r(best["ours_4"] / best["ours_1"]), "publish_s": r(cases["ours_1"].publish_s),
         "broadcast_tcp_s_1": r(best["tcp_1"]), "broadcast_tcp_s_4": r(best["tcp_4"]),
         "tcp_fanout4_over_fanout1": r(best["tcp_4"] / best["tcp_1"]), "apply_s_hf": r(best["apply"]),
-        "transport": "shm",
+        "transport": "shm", "load_avg_1m": round(os.getloadavg()[0], 2),
     }  # fmt: skip

@@ -256,7 +256,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -305,7 +305,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             return [fix(v) for v in x]
         return x
 
-    return fix(out)
+    fixed: dict[str, Any] = fix(out)
+    return fixed
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -326,7 +327,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def parse_config(data: dict[str, Any] | None, overrides: list[str] | None = None) -> Config:
     data = apply_overrides(dict(data or {}), list(overrides or []))
-    cfg = from_dict(Config, data)
+    cfg: Config = from_dict(Config, data)
     _check_values(cfg)
     return cfg
 

@@ -219,7 +219,8 @@ def treepo_advantages(
     sub_cnt = np.zeros(n, dtype=np.int64)
     paths = []
     for leaf, rew in zip(leaves, r, strict=True):
-        path, node = [], int(leaf)
+        path: list[int] = []
+        node = int(leaf)
         while node >= 0:
             if len(path) > n:
                 raise ValueError("parents contain a cycle")

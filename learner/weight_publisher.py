@@ -10,12 +10,13 @@ Protocol (one ROUTER socket bound by the publisher, one DEALER per subscriber; f
                                                 on every publish: [ANNOUNCE, ...] to each known subscriber
 
 `header` is `system/weight_codec.py`'s header (JSON + checksums); `locator` is JSON
-``{"proc": "/proc/PID/fd/N", "dev", "ino", "bytes", "sealed"}`` naming the memfd that holds the payload.
+``{"proc": "/proc/PID/fd/N", "dev", "ino", "bytes", "sealed", "publisher"}`` naming the memfd that holds the
+payload and this publisher's incarnation (a restarted learner's versions are followed even if lower).
 
 Flow. `publish` copies the tensors into a memfd and hashes the copy in the same pass (the snapshot: the
-learner may train on in place; the next memfd is pre-allocated and pre-faulted in the background at lowest
-priority, so the copy runs at memcpy speed), seals it against writes and resizes (F_SEAL_WRITE|SHRINK|GROW:
-kernel-enforced, for every process, so no reader can see bytes other than the hashed ones) and announces it.
+learner may train on in place; after each announcement the next memfd is allocated and pre-faulted in the
+background, so the copy runs at memcpy speed), seals it against writes and resizes (F_SEAL_WRITE|SHRINK|GROW,
+kernel-enforced for every process: no reader can see bytes other than the hashed ones) and announces it.
 A subscriber on the same host opens the memfd through /proc, checks inode and seals, and maps it: N local
 subscribers cost one copy, no socket traffic and no re-hashing. Any other subscriber pulls the chunks over the
 socket, `window` GETs in flight, sent copy=False from the read-only mapping, each chunk checked on arrival.
@@ -155,23 +156,25 @@ class _PayloadStore:
         p.seal(self.seal)
         with self._lock:
             self._payloads[version] = p
+        return header, p
+
+    def after_announce(self, size: int) -> None:
+        """Off the announce path: retire old versions, start allocating the next payload."""
+        with self._lock:
             for old in sorted(self._payloads)[: -self.keep]:
                 self._payloads.pop(old).close()
         if self.prealloc:  # the next publish copies into pages that already exist
-            self._spare = self._bg.submit(_Payload, p.size, True)
-        return header, p
+            self._spare = self._bg.submit(_Payload, size, True)
 
     @property
     def spare_ready(self) -> bool:
         return self._spare is None or self._spare.done()
 
     def chunk(self, version: int, index: int, chunk_bytes: int) -> memoryview | None:
-        with self._lock:
-            p = self._payloads.get(version)
         lo = index * chunk_bytes
-        if p is None or lo >= p.size:
-            return None
-        return memoryview(p.mm)[lo : min(lo + chunk_bytes, p.size)]
+        with self._lock:  # the view is taken before a retiring publish can unmap the payload
+            p = self._payloads.get(version)
+            return None if p is None or lo >= p.size else memoryview(p.mm)[lo : min(lo + chunk_bytes, p.size)]
 
     def close(self) -> None:
         if self._spare is not None:
@@ -236,6 +239,7 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self._peers: set[bytes] = set()
         self.version, self._closed = -1, False
+        self.incarnation = uuid.uuid4().hex  # lets subscribers tell a restarted publisher from a stale one
         self._stats: dict[str, Any] = {"publishes": 0, "payload_bytes": 0, "publish_s": 0.0}
         self._stats.update(payload_path="", chunks_served=0, bytes_served=0, latest_served=0, bad_requests=0)
         self._thread = threading.Thread(target=self._serve, args=(sock, ctl_server), daemon=True)
@@ -252,12 +256,13 @@ class WeightPublisher:
                 raise ValueError(f"version {version} is not newer than the last published {self.version}")
             t0 = time.perf_counter()
             header, p = self._store.write(named_tensors, version, self.chunk_bytes)
-            locator = p.locator()
+            locator = {**p.locator(), "publisher": self.incarnation}
             self._ctl.send_multipart([b"NEW", header, json.dumps(locator).encode()])
+            self._stats["publish_s"] = time.perf_counter() - t0
             self.version = version
             self._stats["publishes"] += 1
             self._stats["payload_bytes"], self._stats["payload_path"] = p.size, locator["proc"]
-            self._stats["publish_s"] = time.perf_counter() - t0
+            self._store.after_announce(p.size)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -9,7 +9,9 @@ figures, one titled panel per quantity, every axis labelled:
                      learner step seconds, idle ratio, wait for a batch
     minibatches.png  loss, overshoot fraction, mean |s|, KL to target per mini-batch index k (a line per k)
 
-A tag that is absent gives an empty panel that says "no data" (and which tag it wanted), never an error.
+Values logged more than once at a step are plotted as their mean (one point per step); index.md reports
+the last value logged. A tag that is absent gives an empty panel that says "no data" (and which tag it
+wanted), never an error.
 `render_report` also writes `panels.json` ({png name: [panel titles]}) so tests and tools can check the
 layout without looking at pixels, and `write_index` writes `index.md` with the final values of key metrics.
 Matplotlib is used through `Figure` + the Agg canvas only: no pyplot, no global backend switch.
@@ -86,7 +88,7 @@ def figure_specs(scalars: Scalars) -> tuple[FigureSpec, ...]:
                 Panel(
                     "Evaluation success",
                     "success rate",
-                    (("eval/success", "eval/success"), ("demo/success", "demo eval (before / after)")),
+                    (("eval/success", "eval/success"), ("demo/success", "eval before / after training")),
                     ylim=_ratio(),
                     wanted="eval/success",
                 ),
@@ -201,6 +203,15 @@ def _clean(series: Series) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _per_step(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
+    """One point per step: the mean of the values logged at it (role metrics are flushed several times per
+    learner step, and a vertical zigzag at each step hides the trend)."""
+    sums: dict[int, list[float]] = {}
+    for s, v in zip(steps, values, strict=True):
+        sums.setdefault(s, []).append(v)
+    return list(sums), [sum(vs) / len(vs) for vs in sums.values()]
+
+
 def _ema(values: list[float], weight: float) -> list[float]:
     out, acc = [], values[0]
     for v in values:
@@ -221,7 +232,7 @@ def _draw_panel(ax: Any, panel: Panel, scalars: Scalars, color_for: Any, legend:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     drawn = 0
     for i, (tag, label) in enumerate(panel.lines):
-        steps, values = _clean(scalars.get(tag, ()))
+        steps, values = _per_step(*_clean(scalars.get(tag, ())))
         if not steps:
             continue
         color = color_for(i, len(panel.lines), tag)

@@ -63,7 +63,8 @@ def standardize_rewards(rewards: npt.ArrayLike) -> FloatArray:
     sd = float(np.std(r, ddof=1))
     if sd < ZERO_STD:
         return np.zeros_like(r)
-    return (r - r.mean()) / (sd + STD_EPS)
+    z: FloatArray = (r - r.mean()) / (sd + STD_EPS)
+    return z
 
 
 def _as_parents(parents: npt.ArrayLike) -> IntArray:
@@ -78,9 +79,9 @@ def _as_parents(parents: npt.ArrayLike) -> IntArray:
         raise ValueError(f"parents must be integers, got dtype {p.dtype}")
     p = p.astype(np.int64)
     n = p.size
-    bad = np.flatnonzero((p < -1) | (p >= n))
-    if bad.size:
-        i = int(bad[0])
+    out_of_range = np.flatnonzero((p < -1) | (p >= n))
+    if out_of_range.size:
+        i = int(out_of_range[0])
         raise ValueError(f"parent of node {i} is {int(p[i])}, outside [-1, {n - 1}]")
     return p
 
@@ -201,7 +202,8 @@ def _normalize(slot: IntArray, logw: FloatArray, n: int) -> FloatArray:
     np.maximum.at(gmax, slot, logw)
     e = np.exp(logw - gmax[slot])  # the max child of each group gets exp(0) = 1, so sums are >= 1
     total = np.bincount(slot, weights=e, minlength=n + 1)
-    return e / total[slot]
+    w: FloatArray = e / total[slot]
+    return w
 
 
 def backup_weights(

@@ -206,7 +206,8 @@ class RolloutTree:
     def effective_mask(self, node_id: int) -> np.ndarray:
         """Loss mask with non-finite behavior log-probs dropped (algorithm.md §10)."""
         n = self.nodes[node_id]
-        return n.loss_mask & np.isfinite(n.behavior_logprobs)
+        mask: np.ndarray = n.loss_mask & np.isfinite(n.behavior_logprobs)
+        return mask
 
     @cached_property
     def nonfinite_tokens(self) -> int:

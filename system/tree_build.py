@@ -49,7 +49,13 @@ def plan_anchors(
 class TreeBuilder:
     """Hands out node ids as turns are appended; `build()` validates and freezes the tree."""
 
-    def __init__(self, tree_id: str, prompt_tokens: Sequence[int], prompt_id: str = "", meta=None):
+    def __init__(
+        self,
+        tree_id: str,
+        prompt_tokens: Sequence[int],
+        prompt_id: str = "",
+        meta: dict[str, str] | None = None,
+    ) -> None:
         self.tree_id, self.prompt_id, self.meta = tree_id, prompt_id, dict(meta or {})
         self._nodes: list[TurnNode] = [make_node(ROOT, -1, 0, obs_tokens=prompt_tokens)]
 

@@ -95,12 +95,14 @@ def build_example(
 
 
 def oracle_examples(
-    tokenizer: PreTrainedTokenizerBase, env: SyntheticKBEnv, tasks: Sequence[Task]
+    tokenizer: PreTrainedTokenizerBase, env: SyntheticKBEnv, tasks: Sequence[Task], progress: bool = False
 ) -> list[Example]:
+    from tqdm.auto import tqdm
+
     system = env.system_prompt()
     return [
         build_example(tokenizer, system, env.user_prompt(t), env.oracle_turns(t), t.meta.get("hops", 0))
-        for t in tasks
+        for t in tqdm(tasks, desc="oracle trajectories", unit="task", disable=not progress, mininterval=1.0)
     ]
 
 
@@ -305,7 +307,8 @@ def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[
     env = SyntheticKBEnv()
     tokenizer = build_tokenizer(tokenizer_texts(env))
     model = build_tiny_model(tokenizer, seed=cfg["seed"])
-    examples = oracle_examples(tokenizer, env, env.tasks("train", n=cfg["n_train"], hops=(2, 4)))
+    tasks = env.tasks("train", n=cfg["n_train"], hops=(2, 4))
+    examples = oracle_examples(tokenizer, env, tasks, progress)
     t_data = time.perf_counter()
     losses = sft_train(
         model, examples, cfg["steps"], cfg["batch_size"], cfg["lr"], cfg["warmup"], cfg["schedule"],

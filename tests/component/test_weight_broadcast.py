@@ -87,6 +87,19 @@ def test_late_joiner_and_missed_versions_get_the_latest(publisher, subscriber):
     assert early.poll(200) is None
 
 
+def test_a_restarted_publisher_is_followed_even_with_lower_versions(subscriber):
+    first = WeightPublisher(chunk_mb=CHUNK_MB)
+    sub = subscriber(first.endpoint, refresh_s=0.1)
+    first.publish(weights(5), 5)
+    assert_weights(sub.poll(5000), 5)
+    port = first.port
+    first.close()
+    with WeightPublisher(port=port, chunk_mb=CHUNK_MB) as again:  # resumed from an older checkpoint
+        again.publish(weights(3), 3)
+        assert_weights(sub.poll(5000), 3)
+        assert sub.poll(300) is None
+
+
 def test_same_host_payload_is_sealed_and_not_rehashed(publisher, subscriber):
     sub = subscriber(publisher.endpoint)
     checked = subscriber(publisher.endpoint, verify_sealed=True)

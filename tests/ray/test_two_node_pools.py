@@ -1,0 +1,256 @@
+"""A two-node Ray cluster on one machine, started with launch/cluster.sh (`ray start` underneath): a head in
+pool `train` and a worker in pool `sample`. The topology with `resources.learner.pool=train` and
+`resources.sampler.pool=sample` must put every SamplerActor on the sample node and the LearnerActor on the
+train node (checked through Ray's state API), and `check_pools` must reject a pool that no node provides.
+
+Both nodes advertise 127.0.0.2 (loopback; see launch/cluster.sh for why not 127.0.0.1), each has its own
+--temp-dir and free ports, and teardown stops only the processes this module started (their process groups,
+never `ray stop`). The session's local Ray instance (fixture `ray_cluster`) is shut down first and brought
+back afterwards if it was up.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from configs.schema import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_SH = ROOT / "launch" / "cluster.sh"
+NODE_IP = "127.0.0.2"
+
+
+def pool_cfg(run_dir, **extra):
+    overrides = {
+        "run.run_dir": str(run_dir), "learner.batch_trees": 2, "learner.minibatches": 2,
+        "sampler.num_samplers": 2, "algo.M": 2, "algo.N": 1, "env.max_turns": 3,
+        "env.max_turn_tokens": 16, "store.eta": 1,
+        "resources.learner.pool": "train", "resources.sampler.pool": "sample", **extra,
+    }  # fmt: skip
+    return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+
+def cluster_sh(*args, **kwargs):
+    return subprocess.run(
+        ["bash", str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=60, **kwargs
+    )
+
+
+# ---- no cluster needed -----------------------------------------------------------------------------------
+
+
+def test_cluster_sh_builds_the_pool_resources_json():
+    out = cluster_sh(
+        "worker", "--address", "127.0.0.2:7000", "--pool", "sample=4", "--pool", "a10=1.5", "--dry-run"
+    )
+    assert out.returncode == 0, out.stderr
+    cmd = out.stdout.strip()
+    assert cmd.startswith("ray start ") and "--address=127.0.0.2:7000" in cmd
+    resources = cmd.split("--resources '", 1)[1].split("'", 1)[0]
+    assert json.loads(resources) == {"pool_sample": 4, "pool_a10": 1.5}
+    head = cluster_sh("head", "--port", "7000", "--pool", "train=2", "--no-dashboard", "--dry-run").stdout
+    assert "--head" in head and "--port=7000" in head and "--node-ip-address=127.0.0.2" in head
+    for bad in ("sample", "sa mple=1", "x=0", "x=-1", "x=nan", 'x"y=1'):
+        res = cluster_sh("worker", "--pool", bad, "--dry-run")
+        assert res.returncode != 0 and "--pool" in res.stderr, (bad, res.stdout)
+    assert cluster_sh("head", "--node-ip", "127.0.0.1", "--dry-run").returncode != 0
+
+
+def test_cluster_sh_submit_prints_the_job_recipe():
+    out = cluster_sh(
+        "submit", "--dry-run", "--", "treeopsd", "train", "--config", "configs/cluster_example.yaml"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "ray job submit --address=http://127.0.0.1:8265 --working-dir . -- "
+        "treeopsd train --config configs/cluster_example.yaml"
+    )
+
+
+def test_cluster_example_config_maps_roles_to_pools():
+    cfg = load_config(ROOT / "configs" / "cluster_example.yaml")
+    assert cfg.resources.learner.pool == "train" and cfg.resources.learner.num_gpus >= 1
+    assert cfg.resources.sampler.pool == "sample" and cfg.resources.sampler.num_gpus >= 1
+    assert cfg.sampler.backend == "vllm"
+
+
+# ---- the two-node cluster ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((NODE_IP, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+class Node:
+    """One `launch/cluster.sh head|worker --block` in its own process group (cluster.sh execs `ray start`)."""
+
+    def __init__(self, kind: str, args: list[str], tmp: Path, env: dict[str, str], ray_args=()) -> None:
+        self.kind, self.log = kind, tmp / f"{kind}.log"
+        # free ports everywhere, so neither node collides with the other or with another Ray on the machine
+        ray_args = [
+            "--dashboard-agent-listen-port=0",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
+            *ray_args,
+        ]
+        cmd = [
+            "bash",
+            str(CLUSTER_SH),
+            kind,
+            *args,
+            "--temp-dir",
+            str(tmp / kind),
+            "--block",
+            "--",
+            *ray_args,
+        ]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.kind} node exited with {self.proc.returncode}:\n{log_tail(self.log)}")
+
+    def stop(self) -> None:
+        """SIGTERM: `ray start --block` stops its node's processes; then SIGKILL what is left of the group."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own group only (start_new_session)
+        self.proc.wait(timeout=10)
+
+
+def kill_leftovers(tmp: Path) -> None:
+    """SIGKILLs any process whose command line names our private temp dir (none should be left)."""
+    needle = str(tmp).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    import ray
+
+    from launch.ray_run import init_ray
+
+    was_up = ray.is_initialized()
+    if was_up:
+        ray.shutdown()
+    tmp = Path(tempfile.mkdtemp(prefix="tod2n-", dir="/tmp"))  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    gcs_port = free_port()
+    nodes: list[Node] = []
+    t0 = time.perf_counter()
+    try:
+        head_args = ["--port", str(gcs_port), "--pool", "train=4", "--num-cpus", "2"]
+        head_args += ["--dashboard-port", str(free_port())]
+        nodes.append(Node("head", head_args, tmp, env, [f"--ray-client-server-port={free_port()}"]))
+        deadline = time.time() + 60
+        while True:
+            nodes[0].check_alive()
+            try:
+                socket.create_connection((NODE_IP, gcs_port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise TimeoutError(f"head GCS not up in 60 s:\n{log_tail(nodes[0].log)}") from None
+                time.sleep(0.2)
+        address = f"{NODE_IP}:{gcs_port}"
+        worker_args = ["--address", address, "--pool", "sample=4", "--num-cpus", "3"]
+        nodes.append(Node("worker", worker_args, tmp, env))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_ADDRESS", address)  # init_ray joins the cluster, as `treeopsd train` would
+            init_ray()
+        deadline = time.time() + 60
+        while True:
+            pools = {k for n in ray.nodes() if n["Alive"] for k in n["Resources"] if k.startswith("pool_")}
+            if {"pool_train", "pool_sample"} <= pools:
+                break
+            for node in nodes:
+                node.check_alive()
+            if time.time() > deadline:
+                raise TimeoutError(f"worker node not up in 60 s:\n{log_tail(nodes[1].log)}")
+            time.sleep(0.2)
+        print(f"two-node cluster at {address} up in {time.perf_counter() - t0:.1f} s")
+        yield {"address": address, "tmp": tmp}
+    finally:
+        ray.shutdown()
+        for node in reversed(nodes):
+            node.stop()
+        kill_leftovers(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if was_up:  # bring back the session's local instance (same sizing as tests/ray/conftest.py)
+            init_ray(load_config(overrides=["sampler.num_samplers=4"]))
+
+
+def pool_node(pool: str) -> str:
+    import ray
+
+    (node_id,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(f"pool_{pool}")]
+    return node_id
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tmp_path, tiny_model_dir):
+    import ray
+
+    from launch.pools import actor_nodes, check_pools, pool_nodes
+    from launch.ray_run import Driver, start_topology, stop_topology
+    from storage.metrics import MemorySink
+
+    train, sample = pool_node("train"), pool_node("sample")
+    assert train != sample and pool_nodes() == {"train": [train], "sample": [sample]}
+    cfg = pool_cfg(tmp_path)
+    check_pools(cfg)
+    t0 = time.perf_counter()
+    topo = start_topology(cfg, tiny_model_dir)
+    try:
+        summary = Driver(cfg, topo, MemorySink()).run(1)
+        assert summary["steps"] == 1
+        # The state API is served by the dashboard (ray[default]); without it, the GCS actor table.
+        have_state_api = ray._private.utils.get_dashboard_dependency_error() is None
+        where = actor_nodes(fallback=not have_state_api)
+    finally:
+        stop_topology(topo)
+    print(f"topology + 1 step: {time.perf_counter() - t0:.1f} s; state API: {have_state_api}")
+    assert where["SamplerActor"] == [sample, sample], where
+    assert where["LearnerActor"] == [train], where
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_check_pools_rejects_a_pool_no_node_provides(two_nodes, tmp_path):
+    from launch.pools import check_pools
+
+    with pytest.raises(ConfigError, match=r"resources\.sampler\.pool = 'missing'.*provided: sample, train"):
+        check_pools(pool_cfg(tmp_path, **{"resources.sampler.pool": "missing"}))
+    with pytest.raises(ConfigError, match=r"resources\.learner = .*num_gpus 1.*no node of pool 'train'"):
+        check_pools(pool_cfg(tmp_path, **{"resources.learner.num_gpus": 1}))
+    check_pools(pool_cfg(tmp_path, **{"resources.backup.pool": "sample"}))  # any provided pool is fine
