@@ -207,8 +207,11 @@ class WeightSubscriber:
             if st.st_size != header.total_bytes:
                 raise WeightMessageError(f"v{header.version}: payload holds {st.st_size} bytes, header says "
                                          f"{header.total_bytes} (truncated?)")  # fmt: skip
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if hasattr(fcntl, "F_GET_SEALS") else 0
-            buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if hasattr(fcntl, "F_GET_SEALS") else 0
+                buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                return None  # cannot map it here: use the socket
             with contextlib.suppress(OSError, ValueError):  # map every page now; writes would stay private
                 buf.madvise(_MADV_POPULATE_READ)
         finally:

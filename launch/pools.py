@@ -98,7 +98,7 @@ def actor_nodes(alive_only: bool = True, fallback: bool = True) -> dict[str, lis
 
         filters = [("state", "=", "ALIVE")] if alive_only else None
         actors = list_actors(
-            address=ray.get_runtime_context().gcs_address, filters=filters, limit=100_000, timeout=30
+            address=ray.get_runtime_context().gcs_address, filters=filters, limit=10_000, timeout=30
         )
         rows = [(a.class_name, a.node_id) for a in actors]
     except Exception as e:

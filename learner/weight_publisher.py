@@ -150,7 +150,12 @@ class _PayloadStore:
             return holder[0].mm
 
         map_fn = self._hash_pool.map if self._hash_pool is not None else map
-        header, chunks = encode_weights(named, version, chunk_bytes, sink=sink, map_fn=map_fn)
+        try:
+            header, chunks = encode_weights(named, version, chunk_bytes, sink=sink, map_fn=map_fn)
+        except BaseException:
+            for p in holder:  # e.g. an unsupported dtype: nothing was announced
+                p.close()
+            raise
         del chunks  # views of the writable mapping: sealing needs them gone
         p = holder[0]
         p.seal(self.seal)

@@ -65,6 +65,10 @@ def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher, subscri
     assert sub.stats()["transport"] == "shm" and sub.stats()["rejected"] == 0
     with pytest.raises(ValueError, match="not newer"):
         publisher.publish(weights(3), 3)
+    with pytest.raises(TypeError, match="complex64"):
+        publisher.publish({"c": np.zeros(2, np.complex64)}, 4)
+    publisher.publish(weights(4), 4)  # a failed publish announces nothing and breaks nothing
+    assert_weights(sub.poll(5000), 4)
 
 
 def test_three_subscribers_over_both_transports(publisher, subscriber):

@@ -182,11 +182,13 @@ def two_nodes():
                     raise TimeoutError(f"head GCS not up in 60 s:\n{log_tail(nodes[0].log)}") from None
                 time.sleep(0.2)
         address = f"{NODE_IP}:{gcs_port}"
+        print(f"head GCS up in {time.perf_counter() - t0:.1f} s")
         worker_args = ["--address", address, "--pool", "sample=4", "--num-cpus", "3"]
         nodes.append(Node("worker", worker_args, tmp, env))
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RAY_ADDRESS", address)  # init_ray joins the cluster, as `treeopsd train` would
             init_ray()
+        print(f"driver connected in {time.perf_counter() - t0:.1f} s")
         deadline = time.time() + 60
         while True:
             pools = {k for n in ray.nodes() if n["Alive"] for k in n["Resources"] if k.startswith("pool_")}
@@ -234,6 +236,9 @@ def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tm
     try:
         summary = Driver(cfg, topo, MemorySink()).run(1)
         assert summary["steps"] == 1
+        # every sampler constructed and answering (one alone may have filled the first batch)
+        alive = [r.ok for r in topo.manager.foreach_actor("pid", timeout_seconds=120)]
+        assert alive == [True, True]
         # The state API is served by the dashboard (ray[default]); without it, the GCS actor table.
         have_state_api = ray._private.utils.get_dashboard_dependency_error() is None
         where = actor_nodes(fallback=not have_state_api)
