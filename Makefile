@@ -30,6 +30,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict --ignore-missing-imports system/ learner/losses.py configs/
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
@@ -39,7 +40,8 @@ demo: $(STAMP)
 	$(VENV)/bin/treeopsd demo --config configs/default.yaml
 
 bench: $(STAMP)
-	$(VENV)/bin/treeopsd bench all --json
+	mkdir -p benchmarks/results
+	$(VENV)/bin/treeopsd bench all --json --out benchmarks/results/bench.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -82,7 +82,7 @@ def run_episodes(
             stepping.append(e)
         results = backend.sample(requests) if requests else []
         version = int(getattr(backend, "version", 0))
-        for e, req, res in zip(stepping, requests, results, strict=True):
+        for e, res in zip(stepping, results, strict=True):
             _apply_turn(e, res.token_ids, res.logprobs, res.finish_reason, version, env, chat, limits)
         live = [e for e in live if not e.done]
 

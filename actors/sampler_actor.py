@@ -56,7 +56,8 @@ class SamplerActor(FaultAwareApply):
             self.poll_weights(timeout_ms=100)
         self.wait_for_weights_s += time.perf_counter() - t0
         granted = ray.get(self.store.admit.remote(n))
-        if granted == 0:
+        if granted == 0:  # the learner is η versions behind: wait a little instead of spinning
+            self.poll_weights(timeout_ms=100)
             return {"admitted": 0.0, "trees": 0.0, "metrics": self.get_metrics()}
         try:
             trees = self.worker.sample(granted)

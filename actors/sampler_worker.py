@@ -101,7 +101,8 @@ class SamplerWorker:
         backend: PolicyBackend | None = None,
     ) -> None:
         self.cfg, self.index = cfg, sampler_index
-        seed = cfg.run.seed * 1000 + sampler_index * 17 + incarnation * 7919  # a restart gets a fresh stream
+        # a restart gets a fresh stream; engines (vLLM) need a seed below 2**32
+        seed = (cfg.run.seed * 1000 + sampler_index * 17 + incarnation * 7919) % (2**31 - 1)
         self.rng = np.random.default_rng(seed)
         self.backend = backend or build_backend(cfg, model_path, seed=seed)
         self.env = build_env(cfg)

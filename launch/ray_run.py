@@ -143,6 +143,7 @@ class Driver:
         self.sampler_failures = 0
         self.sampler_metrics: dict[int, dict[str, float]] = {}  # latest snapshot per sampler
         self.retiring: set[int] = set()
+        self.last_healthy = time.perf_counter()
         self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
         self.last_flush = time.perf_counter()
 
@@ -150,6 +151,7 @@ class Driver:
         t0, started_at, self.target = time.perf_counter(), self.step, steps
         limit = self.cfg.run.time_limit_s
         while self.step < steps and not (limit and time.perf_counter() - t0 > limit):
+            self._check_samplers_alive()
             self._check_control()
             self._tick_samplers()
             self._tick_backup()
@@ -165,6 +167,16 @@ class Driver:
             "sampler_failures": self.sampler_failures,
             "sampler_restarts": self.topo.manager.total_num_restarts(),
         }
+
+    def _check_samplers_alive(self, grace_s: float = 180.0) -> None:
+        """Fails the run, instead of waiting forever, when no sampler has been healthy for `grace_s`."""
+        now = time.perf_counter()
+        if self.topo.manager.num_healthy_actors() > 0:
+            self.last_healthy = now
+        elif now - self.last_healthy > grace_s:
+            raise RuntimeError(
+                f"no healthy sampler for {grace_s:.0f} s (restarts exhausted?); see the Ray logs"
+            )
 
     def _check_control(self) -> None:
         control = read_control(self.cfg.run.run_dir)

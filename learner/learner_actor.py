@@ -63,6 +63,7 @@ class LearnerActor:
         batch_index = ray.get(self.store.consumed_watermark.remote())  # the store calls it batch k
         buf = ray.get(self.store.take_batch_ipc.remote(self.cfg.learner.batch_trees))
         if buf is None:
+            time.sleep(0.05)  # no full batch yet: back off instead of spinning the store actor
             self.wait_s += time.perf_counter() - t0
             return None
         trees = decode_trees(ipc_to_table(buf), source="batch")

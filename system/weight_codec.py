@@ -280,9 +280,9 @@ def encode_weights(
     def hash_piece(p: Piece) -> int:
         src = _piece_bytes(p, specs_t, flats)
         if out is None:
-            return zlib.crc32(src)
+            return zlib.crc32(src)  # type: ignore[arg-type]  # numpy arrays are buffers
         np.copyto(out[p[0] : p[1]], src)
-        return zlib.crc32(out[p[0] : p[1]])  # hash the copy (cache-hot): the checksums describe the sink
+        return zlib.crc32(out[p[0] : p[1]])  # type: ignore[arg-type]  # hash the copy (cache-hot): the checksums describe the sink
 
     crcs = list(map_fn(hash_piece, pieces))
     num_chunks = math.ceil(total / chunk_bytes)
@@ -290,11 +290,11 @@ def encode_weights(
     specs_t = tuple(replace(t, crc32=c) for t, c in zip(specs_t, tcrcs, strict=True))
     header = WeightHeader(version, specs_t, total, chunk_bytes, tuple(_fold(pieces, crcs, 2, num_chunks)))
     if out is not None:
-        return header.to_bytes(), [memoryview(out[slice(*header.chunk_range(k))]) for k in range(num_chunks)]
+        return header.to_bytes(), [memoryview(out[slice(*header.chunk_range(k))]) for k in range(num_chunks)]  # type: ignore[arg-type]  # numpy arrays are buffers
     chunks = []
     for _, group in itertools.groupby(pieces, key=lambda p: p[2]):
         parts = [_piece_bytes(q, specs_t, flats) for q in group]
-        chunks.append(memoryview(parts[0] if len(parts) == 1 else np.concatenate(parts)))
+        chunks.append(memoryview(parts[0] if len(parts) == 1 else np.concatenate(parts)))  # type: ignore[arg-type]  # numpy arrays are buffers
     return header.to_bytes(), chunks
 
 
@@ -370,7 +370,7 @@ class WeightAssembler:
         idx = self._by_chunk[i]
         for j in idx:
             a, b = self._pieces[j][:2]
-            self._piece_crc[j] = zlib.crc32(self._buf[a:b])
+            self._piece_crc[j] = zlib.crc32(self._buf[a:b])  # type: ignore[arg-type]  # numpy arrays are buffers
         got = 0
         for j in idx:
             got = crc32_combine(got, self._piece_crc[j], self._pieces[j][1] - self._pieces[j][0])
@@ -395,6 +395,6 @@ class WeightAssembler:
             if t.dtype == "bfloat16" and bfloat16 == "torch":
                 import torch  # only a caller that asks for torch tensors pays for the import
 
-                arr = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+                arr = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)  # type: ignore[assignment]
             out[t.name] = arr
         return out

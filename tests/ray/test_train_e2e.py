@@ -48,12 +48,15 @@ def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path
         victim, pid = next(iter(pids(topo).items()))
         os.kill(pid, signal.SIGKILL)  # mid-run: it may be inside sample_and_push
         summary = driver.run(4)
-        deadline = time.time() + 60
-        while topo.manager.num_healthy_actors() < 2 and time.time() < deadline:
-            topo.manager.probe_unhealthy_actors(timeout_seconds=1, mark_healthy=True)
-        assert summary["steps"] == 4
-        assert topo.manager.total_num_restarts() >= 1 and topo.manager.num_healthy_actors() == 2
-        assert pids(topo)[victim] != pid  # a new process took the dead one's place
+        assert summary["steps"] == 4  # training went on while the sampler was down
+        new_pids, deadline = {}, time.time() + 120
+        while time.time() < deadline:  # Ray restarts it (max_restarts); wait until it answers again
+            topo.manager.probe_unhealthy_actors(timeout_seconds=5, mark_healthy=True)
+            new_pids = pids(topo)
+            if victim in new_pids and topo.manager.num_healthy_actors() == 2:
+                break
+            time.sleep(1)
+        assert new_pids.get(victim) not in (None, pid)  # the same actor, answering from a new process
         versions = [r.get() for r in topo.manager.foreach_actor("version", timeout_seconds=60) if r.ok]
         assert max(versions) >= 2  # samplers applied broadcast weights
         stats = ray.get(topo.store.stats.remote())

