@@ -97,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prepare_run_dir(cfg, args.resume)
     before = _evaluate(cfg, model_path, args) if args.eval else None
-    summary = train(cfg, model_path, resume=args.resume, progress=not args.no_progress)
+    try:
+        summary = train(cfg, model_path, resume=args.resume, progress=not args.no_progress)
+    except ConfigError as e:  # e.g. a pool that no node of the cluster provides
+        print(f"treeopsd train: {e}", file=sys.stderr)
+        return 2
     if args.eval:
         summary["eval_before"], summary["eval_after"] = before, _evaluate(cfg, summary["checkpoint"], args)
     print(json.dumps(summary, indent=2, default=str))

@@ -27,6 +27,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from actors.backup_actor import BackupActor
 from actors.sampler_actor import SamplerActor
 from configs.schema import Config, to_dict
+from launch.pools import check_pools
 from learner.learner_actor import LearnerActor
 from storage.metrics import TensorboardSink
 from storage.replay_store_actor import start_store_actor
@@ -89,6 +90,7 @@ class Topology:
 
 
 def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topology:
+    check_pools(cfg)  # a pool no node provides fails here, before any actor starts
     data = to_dict(cfg)
     store = start_store_actor(cfg.store_dir, eta=cfg.store.eta, batch_size=cfg.learner.batch_trees)
     learner = (
