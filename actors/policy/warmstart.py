@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from actors.chat import ChatFormat
 from actors.envs.base import Environment, StepResult, Task
 from actors.envs.synthetic_kb import SyntheticKBEnv, tokenizer_texts
 from actors.policy.hf_backend import HFBackend
 from actors.policy.tiny_model import (
     IM_END,
-    IM_START,
     build_tiny_model,
     build_tokenizer,
     save_pretrained,
@@ -44,23 +44,28 @@ from actors.policy.tiny_model import (
 )
 from system.policy import SampleRequest, SamplingConfig
 
+_CHATS: dict[int, ChatFormat] = {}
 RECIPE_VERSION = 1  # bump when the data or training recipe changes, to invalidate cached warm-starts
 DEFAULT_STEPS = 1200  # measured: 59 % (seed 0) and 94 % (seed 1) greedy success in ~2.5 min
 
 
 # ---- rendering (the agent loop imports these) ------------------------------------------------------------
+def _chat(tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
+    """The agent loop's ChatFormat, built once per tokenizer, so SFT data uses exactly the loop's ids."""
+    chat = _CHATS.get(id(tokenizer))
+    if chat is None or chat.tokenizer is not tokenizer:
+        chat = _CHATS[id(tokenizer)] = ChatFormat.from_tokenizer(tokenizer)
+    return chat
+
+
 def initial_context(tokenizer: PreTrainedTokenizerBase, system: str, user: str) -> list[int]:
     """Ids of the system and user messages plus the assistant generation prompt."""
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return _chat(tokenizer).initial_context(system, user)
 
 
 def render_observation(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Ids appended after an assistant turn's `<|im_end|>`: the tool message, then the generation prompt."""
-    return tokenizer.encode(
-        f"\n{IM_START}tool\n{text}{IM_END}\n{IM_START}assistant\n", add_special_tokens=False
-    )
+    """Ids after an assistant turn's end-of-turn token: the tool message, then the generation prompt."""
+    return _chat(tokenizer).observation_tokens(text)
 
 
 def assistant_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
