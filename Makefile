@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test test-fast lint format demo bench clean
+.PHONY: venv test test-fast lint format demo bench paper-table paper-table-quick clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	mkdir -p benchmarks/results
 	$(VENV)/bin/treeopsd bench all --json --out benchmarks/results/bench.json
+
+# The paper's comparison table at small scale (README "Results" has its wall time); --quick fits 20 minutes.
+paper-table: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/paper_table.yaml
+
+paper-table-quick: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/paper_table.yaml --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -32,7 +32,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", choices=(*BENCHMARKS, "all"))
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--out", default=None, help="also write the JSON here (with `all`: and a .md summary)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -53,7 +53,33 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+        if len(names) > 1:
+            _write_summary(results, args.out)
     return 0
+
+
+def _write_summary(results: dict, out: str) -> None:
+    """`bench all --out X.json` also writes X.md: every headline figure beside its goal and baseline."""
+    import os
+    import platform
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from benchmarks.summary import render
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    where = (
+        f"Commit {commit}, {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
+        f"load average {os.getloadavg()[0]:.2f} at the end, {when}."
+    )
+    Path(out).with_suffix(".md").write_text(render(results, where))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,121 @@
+"""Markdown summary of `treeopsd bench all`: each headline figure beside its goal and the baseline it was
+measured against in the same run (`make bench` writes it to benchmarks/results/bench.md)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+# (benchmark, figure, goal operator, goal, baseline keys shown beside it, what the figure is)
+GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
+    (
+        "store",
+        "zero_copy_over_pickle",
+        ">=",
+        10.0,
+        ("read_zero_copy_mb_s", "pickle_read_mb_s"),
+        "zero-copy Arrow reads over pickle, same nodes",
+    ),
+    ("store", "write_mb_s", "", None, ("nodes",), "durable commits (fsync + rename)"),
+    (
+        "sampler",
+        "sampler_over_raw",
+        ">=",
+        0.9,
+        ("sampler_tokens_per_s", "raw_tokens_per_s"),
+        "agent loop + trees over the bare backend, same requests",
+    ),
+    (
+        "sampler",
+        "recompute_saved_frac",
+        "",
+        None,
+        ("prefix_tokens_recomputed", "prefix_tokens_total"),
+        "branch-prefix tokens served from the prefix cache",
+    ),
+    (
+        "learner",
+        "packed_speedup",
+        ">=",
+        1.4,
+        ("packed_step_s", "paths_step_s"),
+        "tree-packed step over path-by-path, (4,2) trees",
+    ),
+    (
+        "pipeline",
+        "async_over_sync",
+        ">=",
+        1.6,
+        ("async_trees_per_s", "sync_trees_per_s", "pipeline_bound"),
+        "asynchronous over synchronous trees/s (limit: pipeline_bound <= 2)",
+    ),
+    (
+        "weights",
+        "broadcast_over_raw_zmq",
+        ">=",
+        0.8,
+        ("broadcast_s_1", "raw_zmq_s_1", "payload_mb"),
+        "broadcast to 1 subscriber over a bare pyzmq send of the same bytes",
+    ),
+    (
+        "weights",
+        "fanout4_over_fanout1",
+        "<=",
+        1.5,
+        ("broadcast_s_4", "broadcast_s_1"),
+        "time to 4 subscribers over time to 1",
+    ),
+    ("weights", "apply_s_hf", "", None, ("payload_mb",), "publish until loaded into an HF model"),
+)
+_OPS = {">=": operator.ge, "<=": operator.le}
+
+
+def _num(x: Any) -> str:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return str(x)
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def verdicts(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per GOALS entry: value, goal, baselines, and whether the goal holds (None: no goal or no value)."""
+    out = []
+    for bench, key, op, goal, base_keys, what in GOALS:
+        res = results.get(bench) or {}
+        value = res.get(key)
+        ok = None
+        if op and isinstance(value, int | float) and goal is not None:
+            ok = bool(_OPS[op](value, goal))
+        baselines = {k: res[k] for k in base_keys if k in res}
+        out.append(
+            {
+                "bench": bench,
+                "figure": key,
+                "value": value,
+                "goal": f"{op} {goal:g}" if op else "",
+                "ok": ok,
+                "baselines": baselines,
+                "what": what,
+                "error": res.get("error"),
+            }
+        )
+    return out
+
+
+def render(results: Mapping[str, Mapping[str, Any]], provenance: str = "") -> str:
+    lines = ["# Benchmarks (`make bench`)", ""]
+    if provenance:
+        lines += [provenance, ""]
+    lines += [
+        "| benchmark | figure | measured | goal | baseline / parts (same run) | meets |",
+        "|---|---|---:|---|---|---|",
+    ]
+    for v in verdicts(results):
+        measured = "error: " + str(v["error"]) if v["value"] is None and v["error"] else _num(v["value"])
+        parts = ", ".join(f"{k} {_num(x)}" for k, x in v["baselines"].items())
+        ok = {True: "yes", False: "**no**", None: "—"}[v["ok"]]
+        lines.append(
+            f"| {v['bench']} | `{v['figure']}`: {v['what']} | {measured} | {v['goal'] or '—'} "
+            f"| {parts} | {ok} |"
+        )
+    return "\n".join(lines) + "\n"

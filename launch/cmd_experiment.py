@@ -1,0 +1,204 @@
+"""`treeopsd experiment SPEC`: the paper's comparison grid at small scale (`make paper-table`).
+
+    treeopsd experiment configs/paper_table.yaml            # every row x 3 seeds; the README states its time
+    treeopsd experiment configs/paper_table.yaml --quick    # the spec's `quick` settings (fits 20 minutes)
+    treeopsd experiment SPEC --dry-run                      # the plan: runs, rows sharing them, costs
+
+Phases: warm-start the tiny model once per seed (cached) → every distinct (config, seed) run, `--jobs` at
+a time, each in a fresh process (`python -m launch.experiment_run`: JSON in and out, its log beside its
+result) → the table and curves. Runs live in `--runs-dir` (default runs/experiments/<name>[-quick]/<key>/);
+a run with a result.json is not run again, so an interrupted grid resumes. Writes into `--out` (default
+benchmarks/results/): <name>[_quick].md (table + provenance), <name>[_quick].json (every run's numbers) and
+<name>[_quick]_curves.png.
+A failed run is reported and left out of its row (the row shows fewer seeds); exit 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="SPEC", help="experiment spec (configs/paper_table.yaml)")
+    parser.add_argument("--quick", action="store_true", help="use the spec's quick settings")
+    parser.add_argument("--jobs", type=int, default=None, help="runs at once (default: CPU count)")
+    parser.add_argument("--out", default="benchmarks/results", help="where the table and curves go")
+    parser.add_argument("--runs-dir", default=None, help="default runs/experiments/<name>[-quick]")
+    parser.add_argument("--models-dir", default="runs/models", help="warm-started model cache")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from launch.experiment import ExperimentSpecError, load_spec, plan
+
+    try:
+        spec = load_spec(args.spec, args.quick)
+        runs = plan(spec)
+    except ExperimentSpecError as e:
+        print(f"treeopsd experiment: {e}", file=sys.stderr)
+        return 2
+    tag = f"{spec.name}{'_quick' if spec.quick else ''}"
+    runs_dir = Path(args.runs_dir or f"runs/experiments/{tag.replace('_quick', '-quick')}")
+    if args.dry_run:
+        for r in runs:
+            print(f"{r.key}  seed {r.seed}  {'train+eval' if r.train else 'eval'}  rows: {', '.join(r.rows)}")
+        print(
+            f"{len(runs)} runs for {len(spec.rows)} rows x {len(spec.seeds)} seeds, {spec.steps} steps each"
+        )
+        return 0
+    jobs = max(1, args.jobs or os.cpu_count() or 1)
+    prov, t0 = _provenance(jobs), time.time()  # the code that runs is the code at the start
+    results, failed = _execute(spec, runs, runs_dir, Path(args.models_dir), jobs)
+    prov["wall_s"] = round(time.time() - t0, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_outputs(spec, tag, results, failed, out, prov)
+    return 1 if failed else 0
+
+
+def _child(args: list[str], log: Path) -> str:
+    """Runs `python -m launch.experiment_run ARGS` (JSON on the command line and in files, never pickle);
+    its stderr goes to `log`; returns its stdout. A crash or non-zero exit raises naming the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as err:
+        proc = subprocess.run(
+            [sys.executable, "-m", "launch.experiment_run", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    if proc.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"exit {proc.returncode}: {tail[0]} (log: {log})")
+    return proc.stdout
+
+
+def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs: int):
+    from dataclasses import asdict
+
+    results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    todo = []
+    for r in runs:
+        done = runs_dir / r.key / "result.json"
+        if done.is_file():
+            results[r.key] = {**json.loads(done.read_text()), "rows": list(r.rows)}
+        else:
+            todo.append(r)
+    print(
+        f"experiment {spec.name}: {len(runs)} runs, {len(results)} already done, {jobs} at a time",
+        file=sys.stderr,
+    )
+    if not todo:
+        return results, failed
+    quick = "1" if spec.quick else "0"
+    with ThreadPoolExecutor(jobs) as pool:  # each thread waits on one child process
+        seeds = sorted({spec.model_seed(r.seed) for r in todo})
+        warm = {
+            s: pool.submit(
+                _child, ["warm", spec.path, quick, str(s), str(models_dir)], runs_dir / f"warm-s{s}.log"
+            )
+            for s in seeds
+        }
+        model_for = {s: json.loads(f.result().splitlines()[-1])["model"] for s, f in warm.items()}
+        pending: dict[Future[str], Any] = {}
+        for r in todo:
+            folder = runs_dir / r.key
+            args = [
+                "run",
+                spec.path,
+                quick,
+                json.dumps(asdict(r)),
+                model_for[spec.model_seed(r.seed)],
+                str(folder),
+            ]
+            pending[pool.submit(_child, args, folder / "log.txt")] = r
+        for n, fut in enumerate(as_completed(pending), 1):
+            r = pending[fut]
+            try:
+                fut.result()
+                res = json.loads((runs_dir / r.key / "result.json").read_text())
+                results[r.key] = {**res, "rows": list(r.rows)}
+                msg = f"success {res['eval']['success']:.3f}"
+            except (RuntimeError, OSError, ValueError) as e:  # one bad run must not lose the others
+                failed[r.key] = str(e)
+                msg = f"FAILED {failed[r.key]}"
+            print(f"[{n}/{len(todo)}] {r.key} seed {r.seed} ({'; '.join(r.rows)}): {msg}", file=sys.stderr)
+    return results, failed
+
+
+def _provenance(jobs: int) -> dict[str, Any]:
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    cpu = "unknown"
+    with_model = Path("/proc/cpuinfo")
+    if with_model.is_file():
+        cpu = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in with_model.read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            "unknown",
+        )
+    dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {
+        "commit": git("rev-parse", "--short", "HEAD") + dirty,
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "jobs": jobs,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) -> None:
+    from launch.experiment import render_table, rows_summary
+    from launch.experiment_plot import plot_curves
+
+    summary = rows_summary(spec, results)
+    png = out / f"{tag}_curves.png"
+    plot_curves(spec, results, png)
+    head = (
+        f"# {spec.name}{' (--quick)' if spec.quick else ''}\n\n"
+        f"`treeopsd experiment {spec.path}{' --quick' if spec.quick else ''}` — seeds "
+        f"{list(spec.seeds)}, {spec.steps} learner steps per run, greedy success on {spec.eval_tasks} "
+        f"held-out 3–4-hop questions, mean ± standard error over seeds.\n\n"
+        f"Commit {prov['commit']}, {prov['cpus']} CPUs ({prov['cpu']}), {prov['jobs']} runs at a time, "
+        f"{prov['wall_s'] / 60:.1f} min wall time for the runs not cached, started {prov['date']}.\n\n"
+    )
+    body = render_table(spec, summary)
+    fails = "".join(f"\n- failed: {k}: {v}" for k, v in sorted(failed.items()))
+    (out / f"{tag}.md").write_text(head + body + "\n" + fails + f"\n\n![curves]({png.name})\n")
+    data = {
+        "spec": spec.path,
+        "quick": spec.quick,
+        "provenance": prov,
+        "rows": summary,
+        "runs": dict(sorted(results.items())),
+        "failed": failed,
+    }
+    (out / f"{tag}.json").write_text(json.dumps(_no_nan(data), indent=1, sort_keys=True))
+    print(head + body + fails)
+
+
+def _no_nan(x: Any) -> Any:
+    """JSON has no NaN: a missing figure (one seed's standard error, an absent hop) is null."""
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_no_nan(v) for v in x]
+    return None if isinstance(x, float) and x != x else x

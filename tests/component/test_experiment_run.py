@@ -1,0 +1,62 @@
+"""`treeopsd experiment` end to end on a tiny grid: real training runs in spawned processes, the table,
+the JSON, the curves, and a rerun that reuses every finished run."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from launch.cli import main
+
+
+def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir, capsys):
+    spec = {
+        "name": "tiny",
+        "base": "configs/default.yaml",
+        "seeds": [0, 1],
+        "steps": 2,
+        "eval_tasks": 4,
+        "budget": 8,
+        "common": {
+            "model.path": tiny_model_dir,
+            "env.eval_hops": [3, 4],
+            "learner.batch_trees": 2,
+            "env.max_turns": 3,
+            "env.max_turn_tokens": 12,
+        },
+        "rows": [
+            {"name": "ReAct", "train": False},
+            {"name": "TreeOPSD (4,2)", "set": {"algo.M": 4, "algo.N": 2}},
+            {"name": "rho = 0.25", "group": "rho", "set": {"algo.rho": 0.25}},
+            {"name": "(2,2)", "group": "allocation", "set": {"algo.M": 2, "algo.N": 2}},
+        ],
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    argv = ["experiment", str(path), "--out", str(out), "--runs-dir", str(runs), "--jobs", "2"]
+    assert main(argv) == 0
+    data = json.loads((out / "tiny.json").read_text())
+    # 4 rows, 3 distinct configs (rho = 0.25 is the (4,2) config) x 2 seeds = 6 runs, none failed
+    assert len(data["runs"]) == 6 and data["failed"] == {}
+    rows = {r["row"]: r for r in data["rows"]}
+    assert all(r["seeds"] == [0, 1] for r in rows.values())
+    assert rows["TreeOPSD (4,2)"]["success"] == rows["rho = 0.25"]["success"]  # the same runs
+    assert rows["TreeOPSD (4,2)"]["cost"] == 8.0 and rows["(2,2)"]["cost"] == 4.0  # 2 * (1 + 2/2)
+    for run in data["runs"].values():
+        assert run["eval"]["n"] == 4
+        if run["train"]:
+            assert run["steps"] == 2 and len(run["curves"]["reward/mean"]) == 2
+            assert run["model"].startswith(str(runs))  # the trained checkpoint was evaluated
+        else:
+            assert run["model"] == tiny_model_dir and run["curves"] == {}
+    table = (out / "tiny.md").read_text()
+    assert "| main | TreeOPSD (4,2) | 8 | 2 |" in table and "![curves](tiny_curves.png)" in table
+    png = (out / "tiny_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    capsys.readouterr()
+
+    assert main(argv) == 0  # every run has a result.json: nothing runs again, same table
+    assert "6 runs, 6 already done" in capsys.readouterr().err
+    assert json.loads((out / "tiny.json").read_text())["rows"] == data["rows"]
