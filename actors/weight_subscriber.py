@@ -1,16 +1,23 @@
 """Weight broadcast, sampler side: the `WeightSink` over ZeroMQ (protocol: learner/weight_publisher.py).
 
-`poll` returns only complete, verified versions newer than the last one it returned. A version whose header,
-chunks or tensors fail their checks (system/weight_codec.py) is rejected: logged, counted in `stats()`, the
-last good version stays in force, and the latest is asked for again (at most `max_retries` times per version;
-after that only a newer announcement is tried).
+`poll` returns only complete versions newer than the last one it returned, verified against their checksums
+or read from a sealed memfd. A version whose header, chunks or tensors fail their checks
+(system/weight_codec.py) is rejected: logged, counted in `stats()`, the last good version stays in force, and
+the latest is asked for again (at most `max_retries` times per version; after that only a newer announcement
+is tried).
 
 Where the payload comes from: on the publisher's host, its memfd (opened through /proc/PID/fd/N, checked to be
 the announced inode, mapped copy-on-write). If the memfd is sealed against writes and resizes, its bytes are
-the ones the publisher hashed and nobody can change them, so they are not hashed again (`verify_sealed=True`
-hashes them anyway); an unsealed one is verified chunk by chunk and tensor by tensor. Anywhere else: chunks
-over the socket, `window` requests in flight, each checked on arrival. `stats()["transport"]` says which
-("shm" or "tcp") and `stats()["verified"]` how ("sealed" or "checksums").
+the ones the publisher wrote and nobody can change them, so they are not hashed (`verify_sealed=True` hashes
+them anyway); an unsealed one is verified chunk by chunk and tensor by tensor. Anywhere else: chunks over the
+socket, `window` requests in flight, each checked on arrival. `stats()["transport"]` says which ("shm" or
+"tcp") and `stats()["verified"]` how ("sealed" or "checksums").
+
+The publisher announces a sealed payload without checksums. That is used only where checksums would prove
+nothing: through shared memory, sealed, and `verify_sealed=False` (`stats()["unhashed"]` counts those
+versions). Otherwise it is set aside, not rejected (`stats()["waited_for_checksums"]`), the publisher is asked
+(NEED) to hash it, and its second announcement, with checksums, is fetched instead; older versions are not
+fetched meanwhile (hashing takes less than fetching any version over a socket).
 
 Usage (the sampler, between turns)::
 
@@ -43,6 +50,7 @@ from system.weight_codec import WeightAssembler, WeightHeader, WeightMessageErro
 
 log = logging.getLogger(__name__)
 META = struct.Struct(">QII")  # version, chunk index, fetch tag (echoed by the publisher)
+_VERSION = struct.Struct(">Q")  # NEED's version
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: map every page now, without breaking copy-on-write
 _SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW")) or -1
 
@@ -87,11 +95,13 @@ class WeightSubscriber:
         self._pool = ThreadPoolExecutor(threads, "weight-verify") if threads > 1 else None
         self.version = -1  # last version returned by poll
         self._offer: tuple[WeightHeader, dict[str, Any]] | None = None
+        self._awaiting: tuple[int, Any] | None = None  # (version, publisher) whose checksums are due
         self._source: str | None = None  # the publisher incarnation that sent `version`
         self._failures: dict[int, int] = {}
         self._tag = 0
         self._asked = 0.0
         self._stats: dict[str, Any] = {"received": 0, "rejected": 0, "gone": 0, "bad_messages": 0}
+        self._stats.update(unhashed=0, waited_for_checksums=0)
         self._stats.update({"last_error": "", "fetch_s": 0.0, "transport": "", "verified": "", "bytes": 0})
         self.request_latest()
 
@@ -149,16 +159,50 @@ class WeightSubscriber:
                 self._reject(-1, WeightMessageError(f"bad announcement: {e}"))
                 return
             v, source = header.version, locator.get("publisher")
+            pending = self._offer[0] if self._offer is not None else None
             if self._offer is not None:
                 base_v, base_source = self._offer[0].version, self._offer[1].get("publisher")
             else:
                 base_v, base_source = self.version, self._source
             # A restarted publisher is followed even with lower versions: its learner resumed from an older
             # checkpoint, and those are the weights being trained now.
-            if (v > base_v or source != base_source) and self._failures.get(v, 0) <= self.max_retries:
+            newer = v > base_v or source != base_source
+            if not header.has_checksums and not self._may_map_unhashed(locator):
+                if newer:
+                    self._wait_for_checksums(v, source)
+                return
+            if self._awaiting is not None and source == self._awaiting[1]:
+                if v < self._awaiting[0]:
+                    return  # older than the version whose checksums are on their way
+                self._awaiting = None
+            # The same version with checksums replaces a pending one without: it is usable on any transport.
+            upgrade = pending is not None and not pending.has_checksums and header.has_checksums
+            upgrade = upgrade and (v, source) == (base_v, base_source)
+            if (newer or upgrade) and self._failures.get(v, 0) <= self.max_retries:
                 self._offer = (header, locator)
         elif kind not in (b"NONE", b"CHUNK", b"GONE"):  # late chunks of an abandoned fetch are expected
             self._stats["bad_messages"] += 1
+
+    def _wait_for_checksums(self, version: int, source: Any) -> None:
+        """Set a checksum-less announcement aside (not a failure) and ask for its checksummed twin; nothing
+        older is fetched meanwhile (on a late joiner too, as LATEST answers with the newest only)."""
+        self._stats["waited_for_checksums"] += 1
+        self._awaiting, self._offer = (version, source), None
+        self._sock.send_multipart([b"NEED", _VERSION.pack(version)])
+
+    def _may_map_unhashed(self, locator: dict[str, Any]) -> bool:
+        """Whether a checksum-less announcement can serve here: its memfd, sealed, is mapped from this host
+        and the seal is trusted (seals are checked again on opening it)."""
+        path = locator.get("proc")
+        if self.transport == "tcp" or self.verify_sealed or locator.get("sealed") is not True:
+            return False
+        if not isinstance(path, str) or not path.startswith("/proc/"):
+            return False
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False  # another host or container, or already retired
+        return (st.st_dev, st.st_ino) == (locator.get("dev"), locator.get("ino"))
 
     def _reject(self, version: int, err: Exception) -> None:
         self._stats["rejected"] += 1
@@ -174,6 +218,9 @@ class WeightSubscriber:
         try:
             arrays = self._from_shm(header, locator) if self.transport == "auto" else None
             transport = "shm"
+            if arrays is None and not header.has_checksums:  # not mapped here after all, or not sealed
+                self._wait_for_checksums(header.version, locator.get("publisher"))
+                return None
             if arrays is None:
                 arrays, transport = self._from_socket(header), "tcp"
         except WeightMessageError as e:
@@ -184,15 +231,20 @@ class WeightSubscriber:
             self.request_latest()
             return None
         self.version, self._source = header.version, locator.get("publisher")
+        if self._offer is not None:  # announced again during the fetch (a NEED's answer): already held?
+            v, by = self._offer[0].version, self._offer[1].get("publisher")
+            self._offer = None if by == self._source and v <= self.version else self._offer
         self._stats.update(
             received=self._stats["received"] + 1, transport=transport, bytes=header.total_bytes
         )
+        self._stats["unhashed"] += not header.has_checksums
         self._stats["fetch_s"] = time.perf_counter() - t0
         return header.version, arrays
 
     # ---- transports ------------------------------------------------------------------------------------
     def _from_shm(self, header: WeightHeader, locator: dict[str, Any]) -> dict[str, Any] | None:
-        """The publisher's memfd mapped copy-on-write and checked in place; None when it is not reachable."""
+        """The publisher's memfd mapped copy-on-write and checked in place; None when it is not reachable (or,
+        for a header without checksums, not sealed or `verify_sealed`)."""
         path = locator.get("proc")
         if not isinstance(path, str) or not path.startswith("/proc/"):
             return None
@@ -209,6 +261,11 @@ class WeightSubscriber:
                                          f"{header.total_bytes} (truncated?)")  # fmt: skip
             try:
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if hasattr(fcntl, "F_GET_SEALS") else 0
+                # Sealed against writes and resizes (kernel-enforced) right after the publisher's copy: these
+                # bytes cannot differ from the ones it wrote (and hashes, if asked): hashing proves nothing.
+                trusted = seals & _SEALS == _SEALS and not self.verify_sealed
+                if not (trusted or header.has_checksums):
+                    return None  # nothing to check it against: wait for the announcement with checksums
                 buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError:
                 return None  # cannot map it here: use the socket
@@ -216,9 +273,6 @@ class WeightSubscriber:
                 buf.madvise(_MADV_POPULATE_READ)
         finally:
             os.close(fd)
-        # Sealed against writes and resizes (kernel-enforced) after the publisher hashed what it wrote: these
-        # bytes cannot differ from the checksummed ones, so hashing them again here proves nothing.
-        trusted = seals & _SEALS == _SEALS and not self.verify_sealed
         asm = WeightAssembler(header, buf)
         asm.verify_buffer(self._pool.map if self._pool is not None else map, trusted=trusted)
         self._stats["verified"] = "sealed" if trusted else "checksums"

@@ -8,12 +8,20 @@ little-endian, then n bytes of UTF-8 JSON::
      "total_bytes": T, "chunk_size": C, "num_chunks": ceil(T / C), "chunk_crc32": [one per chunk],
      "tensors": [{"name", "dtype", "shape", "offset", "nbytes", "crc32"}, ...]}
 
+A header may also carry the layout alone: ``"checksum": "none"``, ``"chunk_crc32": []`` and every tensor's
+``"crc32": 0``. Such a header proves nothing about the bytes, so it is only good for a payload that cannot
+differ from what the publisher wrote (a memfd sealed against writes after the copy): the publisher announces
+that first and, when a subscriber needs them, the same version with checksums (`add_checksums` over the copy).
+WeightAssembler refuses to verify chunks or a buffer against it unless told the buffer is trusted.
+
 Payload: T bytes. Tensor i occupies [offset, offset + nbytes), offsets ascending and 64-byte aligned (zero
 padding between), so decoded arrays are aligned views. Chunk k is payload[k*C : (k+1)*C] (the last may be
 shorter); a tensor may span chunks. dtype is a numpy name or "bfloat16" (2 raw bytes each).
 
 Checksums cost one pass: the payload is cut at every chunk and tensor boundary into pieces, each hashed once
-(zlib.crc32); chunk and tensor checksums are folded from those (crc32_combine, no second pass).
+(zlib.crc32); chunk and tensor checksums are folded from those (crc32_combine, no second pass). That pass
+runs while copying (`encode_weights`) or later over the copy (`encode_weights(checksums=False)`, then
+`add_checksums`).
 
 Usage::
 
@@ -112,6 +120,11 @@ class WeightHeader:
     total_bytes: int
     chunk_size: int
     chunk_crc32: tuple[int, ...]
+    checksum: str = "crc32"  # or "none": the layout alone (no chunk checksums, every tensor crc32 0)
+
+    @property
+    def has_checksums(self) -> bool:
+        return self.checksum == "crc32"
 
     @property
     def num_chunks(self) -> int:
@@ -123,7 +136,7 @@ class WeightHeader:
 
     def to_bytes(self) -> bytes:
         doc = {
-            "magic": "TOPSDW1", "format": FORMAT, "version": self.version, "checksum": "crc32",
+            "magic": "TOPSDW1", "format": FORMAT, "version": self.version, "checksum": self.checksum,
             "align": ALIGN, "total_bytes": self.total_bytes, "chunk_size": self.chunk_size,
             "num_chunks": self.num_chunks, "chunk_crc32": list(self.chunk_crc32),
             "tensors": [asdict(t) for t in self.tensors],  # name, dtype, shape, offset, nbytes, crc32
@@ -161,19 +174,23 @@ def _field(doc: Mapping[str, Any], key: str, kind: type, where: str = "header") 
 def _header_from_doc(doc: Any) -> WeightHeader:
     if not isinstance(doc, dict) or doc.get("magic") != "TOPSDW1":
         raise WeightMessageError("header JSON: 'magic' is not 'TOPSDW1'")
-    if doc.get("format") != FORMAT or doc.get("checksum") != "crc32":
-        raise WeightMessageError(f"unsupported format {doc.get('format')!r}/{doc.get('checksum')!r}")
+    checksum = doc.get("checksum")
+    if doc.get("format") != FORMAT or checksum not in ("crc32", "none"):
+        raise WeightMessageError(f"unsupported format {doc.get('format')!r}/{checksum!r}")
     version, total = _field(doc, "version", int), _field(doc, "total_bytes", int)
     chunk, crcs = _field(doc, "chunk_size", int), _field(doc, "chunk_crc32", list)
     if version < 0 or total < 0 or chunk <= 0:
         raise WeightMessageError(f"header: version {version}, total {total}, chunk_size {chunk} invalid")
-    if _field(doc, "num_chunks", int) != math.ceil(total / chunk) or len(crcs) != math.ceil(total / chunk):
+    n = math.ceil(total / chunk)
+    if _field(doc, "num_chunks", int) != n or len(crcs) != (n if checksum == "crc32" else 0):
         raise WeightMessageError(f"header: num_chunks/chunk_crc32 disagree with ceil({total} / {chunk})")
     if not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs):
         raise WeightMessageError("header: chunk_crc32 holds a value that is not a u32")
     specs = tuple(_spec_from_doc(t, i) for i, t in enumerate(_field(doc, "tensors", list)))
+    if checksum == "none" and any(t.crc32 for t in specs):
+        raise WeightMessageError("header: checksum 'none' but a tensor carries a crc32")
     _check_layout(specs, total)
-    return WeightHeader(version, specs, total, chunk, tuple(crcs))
+    return WeightHeader(version, specs, total, chunk, tuple(crcs), checksum)
 
 
 def _spec_from_doc(t: Any, i: int) -> TensorSpec:
@@ -255,11 +272,13 @@ def encode_weights(
     *,
     sink: Callable[[int], Any] | None = None,
     map_fn: MapFn = map,
+    checksums: bool = True,
 ) -> tuple[bytes, list[memoryview]]:
     """-> (header bytes, chunks). A chunk inside one tensor is a memoryview of the caller's memory (no copy);
     one that straddles tensors is a small copy. `sink(total_bytes)` may return a writable buffer: the payload
     is copied into it while it is hashed (one cache-hot pass) and the chunks view it. `map_fn` (a thread
-    pool's map) spreads the pieces over threads; zlib and numpy copies release the GIL.
+    pool's map) spreads the pieces over threads; zlib and numpy copies release the GIL. `checksums=False`
+    only lays out (and copies): the header has checksum "none" (see the module docstring; `add_checksums`).
     """
     if not named:
         raise ValueError("encode_weights: no tensors")
@@ -277,18 +296,18 @@ def encode_weights(
     pieces = _pieces(specs_t, total, chunk_bytes)
     out = None if sink is None else np.frombuffer(sink(total), np.uint8, count=total)
 
-    def hash_piece(p: Piece) -> int:
+    def copy_and_hash(p: Piece) -> int:
         src = _piece_bytes(p, specs_t, flats)
-        if out is None:
-            return zlib.crc32(src)  # type: ignore[arg-type]  # numpy arrays are buffers
-        np.copyto(out[p[0] : p[1]], src)
-        return zlib.crc32(out[p[0] : p[1]])  # type: ignore[arg-type]  # hash the copy (cache-hot): the checksums describe the sink
+        if out is not None:
+            np.copyto(out[p[0] : p[1]], src)
+            src = out[p[0] : p[1]]  # hash the copy (cache-hot): the checksums describe the sink
+        return zlib.crc32(src) if checksums else 0  # type: ignore[arg-type]  # numpy arrays are buffers
 
-    crcs = list(map_fn(hash_piece, pieces))
+    crcs = list(map_fn(copy_and_hash, pieces)) if out is not None or checksums else []
     num_chunks = math.ceil(total / chunk_bytes)
-    tcrcs = _fold(pieces, crcs, 3, len(specs_t))
-    specs_t = tuple(replace(t, crc32=c) for t, c in zip(specs_t, tcrcs, strict=True))
-    header = WeightHeader(version, specs_t, total, chunk_bytes, tuple(_fold(pieces, crcs, 2, num_chunks)))
+    header = WeightHeader(version, specs_t, total, chunk_bytes, (), "none")
+    if checksums:
+        header = _with_checksums(header, pieces, crcs)
     if out is not None:
         return header.to_bytes(), [memoryview(out[slice(*header.chunk_range(k))]) for k in range(num_chunks)]  # type: ignore[arg-type]  # numpy arrays are buffers
     chunks = []
@@ -296,6 +315,28 @@ def encode_weights(
         parts = [_piece_bytes(q, specs_t, flats) for q in group]
         chunks.append(memoryview(parts[0] if len(parts) == 1 else np.concatenate(parts)))  # type: ignore[arg-type]  # numpy arrays are buffers
     return header.to_bytes(), chunks
+
+
+def _with_checksums(header: WeightHeader, pieces: list[Piece], crcs: list[int]) -> WeightHeader:
+    tcrcs = _fold(pieces, crcs, 3, len(header.tensors))
+    specs = tuple(replace(t, crc32=c) for t, c in zip(header.tensors, tcrcs, strict=True))
+    chunk_crcs = tuple(_fold(pieces, crcs, 2, header.num_chunks))
+    return replace(header, tensors=specs, chunk_crc32=chunk_crcs, checksum="crc32")
+
+
+def add_checksums(
+    header: WeightHeader | bytes | memoryview, payload: Any, map_fn: MapFn = map
+) -> WeightHeader:
+    """The same header with the checksums of `payload` (≥ total_bytes, read in place, one pass). For a header
+    written with `checksums=False` once its payload can no longer change (a sealed memfd)."""
+    h = header if isinstance(header, WeightHeader) else WeightHeader.from_bytes(header)
+    size = memoryview(payload).nbytes
+    if size < h.total_bytes:
+        raise WeightMessageError(f"v{h.version}: payload truncated: {size} of {h.total_bytes} bytes")
+    buf = np.frombuffer(payload, np.uint8, count=h.total_bytes)
+    pieces = _pieces(h.tensors, h.total_bytes, h.chunk_size)
+    crcs = list(map_fn(lambda p: zlib.crc32(buf[p[0] : p[1]]), pieces))  # type: ignore[arg-type]  # numpy arrays are buffers
+    return _with_checksums(h, pieces, crcs)
 
 
 def _piece_bytes(p: Piece, specs: tuple[TensorSpec, ...], flats: list[np.ndarray]) -> np.ndarray:
@@ -311,7 +352,8 @@ class WeightAssembler:
     """Collects one message's chunks (in order, or by index), checks each on arrival, verifies every tensor
     in `finish`; any defect raises WeightMessageError naming the chunk or tensor. `buffer` (≥ total_bytes):
     where the payload lives; when it already holds it (mapped shared memory), `verify_buffer()` checks it in
-    place and `finish` returns views of it.
+    place and `finish` returns views of it. A header without checksums admits only
+    `verify_buffer(trusted=True)`.
     """
 
     def __init__(self, header: WeightHeader | bytes | memoryview, buffer: Any = None) -> None:
@@ -347,6 +389,7 @@ class WeightAssembler:
             raise WeightMessageError(f"v{h.version}: chunk index {i} outside [0, {h.num_chunks})")
         if self._have[i]:
             raise WeightMessageError(f"v{h.version}: chunk {i} received twice")
+        self._need_checksums(f"chunk {i}")
         a, b = h.chunk_range(i)
         view = np.frombuffer(data, np.uint8)
         if view.size != b - a:
@@ -357,13 +400,20 @@ class WeightAssembler:
 
     def verify_buffer(self, map_fn: MapFn = map, trusted: bool = False) -> None:
         """Check, in place, every chunk not added yet (the buffer already holds the payload). `trusted` skips
-        hashing, for bytes that cannot differ from the hashed ones (a memfd sealed after it was written)."""
+        hashing, for bytes that cannot differ from the ones the publisher wrote (a memfd sealed after it)."""
         todo = self.missing
         if not trusted:
+            self._need_checksums("the payload")
             list(map_fn(self._check_chunk, todo))  # raises on the first bad chunk
         for i in todo:
             self._have[i] = True
         self._trusted = trusted
+
+    def _need_checksums(self, what: str) -> None:
+        if not self.header.has_checksums:
+            raise WeightMessageError(
+                f"v{self.header.version}: header has no checksums, {what} cannot be verified"
+            )
 
     def _check_chunk(self, i: int) -> None:
         h = self.header
@@ -386,10 +436,15 @@ class WeightAssembler:
         if not self.complete:
             miss = self.missing
             raise WeightMessageError(f"v{h.version}: incomplete, missing chunks {miss[:8]} of {h.num_chunks}")
-        crcs = _fold(self._pieces, self._piece_crc, 3, len(h.tensors))
+        # Trusted: nothing was hashed, so there is nothing to fold (and no checksum to compare).
+        crcs = (
+            [t.crc32 for t in h.tensors]
+            if self._trusted
+            else _fold(self._pieces, self._piece_crc, 3, len(h.tensors))
+        )
         out: dict[str, Any] = {}
         for t, got in zip(h.tensors, crcs, strict=True):
-            if got != t.crc32 and not self._trusted:
+            if got != t.crc32:
                 raise WeightMessageError(f"v{h.version}: tensor {t.name!r} checksum mismatch: {got}")
             arr = self._buf[t.offset : t.end].view(DTYPES[t.dtype]).reshape(t.shape)
             if t.dtype == "bfloat16" and bfloat16 == "torch":

@@ -5,8 +5,10 @@ shared-memory file. Corruption on the socket path comes from a raw ZeroMQ ROUTER
 """
 
 import contextlib
+import functools
 import json
 import os
+import struct
 import threading
 import time
 
@@ -16,8 +18,9 @@ import torch
 import zmq
 
 from actors.weight_subscriber import META, WeightSubscriber
+from learner import weight_publisher
 from learner.weight_publisher import InMemoryWeightChannel, WeightPublisher
-from system.weight_codec import encode_weights
+from system.weight_codec import WeightHeader, encode_weights
 
 CHUNK_MB = 1 / 64  # 16 KiB chunks: the ~40 KiB payload below spans several
 
@@ -140,6 +143,9 @@ def test_corrupted_or_truncated_unsealed_payload_is_rejected(subscriber):
         pub.publish(weights(4), 4)
         assert_weights(sub.poll(5000), 4)  # recovers with the next good version
         assert sub.stats()["verified"] == "checksums"
+        # Unsealed: hashed while copied and never announced without checksums.
+        assert sub.stats()["unhashed"] == sub.stats()["waited_for_checksums"] == 0
+        assert pub.stats()["hashing"] is False
 
 
 class RawPublisher:
@@ -249,9 +255,15 @@ def test_unknown_versions_and_bad_requests(publisher):
     dealer.send_multipart([b"GET", META.pack(99, 0, 7)])
     assert dealer.poll(5000) and dealer.recv_multipart() == [b"GONE", META.pack(99, 0, 7)]
     dealer.send(b"NONSENSE")
+    dealer.send_multipart([b"NEED", b"1"])  # the version is 8 bytes
     dealer.send(b"LATEST")
     assert dealer.poll(5000) and dealer.recv_multipart()[0] == b"ANNOUNCE"
-    assert publisher.stats()["bad_requests"] == 1
+    assert publisher.stats()["bad_requests"] == 2
+    for _ in range(2):  # hashed on the first request, then answered from what is known
+        dealer.send_multipart([b"NEED", struct.pack(">Q", 1)])
+        assert dealer.poll(5000)
+        kind, header, _ = dealer.recv_multipart()
+        assert kind == b"ANNOUNCE" and WeightHeader.from_bytes(header).has_checksums
     dealer.close(linger=0)
     while not publisher.stats()["spare_ready"]:  # its background allocation would skew the count
         time.sleep(0.01)
@@ -259,6 +271,8 @@ def test_unknown_versions_and_bad_requests(publisher):
     with WeightPublisher(keep=1) as pub:
         for v in (1, 2, 3):
             pub.publish(weights(v), v)
+        while not pub.stats()["spare_ready"]:  # retiring runs in the background, before the spare
+            time.sleep(0.01)
         assert len(memfds() - before) <= 2  # the newest version + the pre-allocated spare
     assert memfds() <= before  # close releases every payload
 
@@ -278,3 +292,146 @@ def test_in_memory_twin_has_the_same_contract():
     assert_weights(ch.poll(timeout_ms=10), 3)
     with pytest.raises(ValueError, match="not newer"):
         ch.publish(weights(2), 2)
+
+
+@pytest.fixture
+def hash_gate(monkeypatch):
+    """Holds every background hash (after it has taken its payload) until `gate.set()`; `entered` is set
+    once a hash is waiting. The checksum-less announcement is then the only one out."""
+    gate, entered = threading.Event(), threading.Event()
+    real = weight_publisher.add_checksums
+
+    def gated(*args, **kwargs):
+        entered.set()
+        assert gate.wait(20), "hash gate never opened"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weight_publisher, "add_checksums", gated)
+    yield gate, entered
+    gate.set()
+
+
+def test_unhashed_announcement_is_used_only_over_sealed_shared_memory(publisher, subscriber, hash_gate):
+    gate, entered = hash_gate
+    shm = subscriber(publisher.endpoint)
+    tcp = subscriber(publisher.endpoint, transport="tcp")
+    checked = subscriber(publisher.endpoint, verify_sealed=True)
+    publisher.publish(weights(1), 1)
+    assert_weights(shm.poll(5000), 1)  # no checksum exists: the sealed memfd needs none
+    stats = shm.stats()
+    assert (stats["transport"], stats["verified"], stats["unhashed"]) == ("shm", "sealed", 1)
+    late_shm = subscriber(publisher.endpoint)  # LATEST answers with the checksum-less announcement too
+    assert_weights(late_shm.poll(5000), 1)
+    assert not entered.is_set() and not publisher.stats()["hashing"]  # nobody needed checksums yet
+    for sub in (tcp, checked):  # set aside, not rejected: they ask for the checksums and wait
+        assert sub.poll(300) is None
+        stats = sub.stats()
+        assert (stats["version"], stats["rejected"], stats["received"]) == (-1, 0, 0), stats
+        assert stats["waited_for_checksums"] >= 1
+    assert entered.wait(5) and publisher.stats()["hashing"]  # hashing on request (held here)
+    assert publisher.stats()["chunks_served"] == 0
+    gate.set()  # the same version, announced again with checksums
+    assert_weights(tcp.poll(5000), 1)
+    assert_weights(checked.poll(5000), 1)
+    for sub, transport in ((tcp, "tcp"), (checked, "shm")):
+        stats = sub.stats()
+        assert (stats["transport"], stats["verified"], stats["unhashed"]) == (transport, "checksums", 0)
+    # The checksummed announcement of the version it already holds: nothing is applied twice.
+    assert shm.poll(300) is None
+    assert shm.stats()["received"] == 1
+    assert publisher.stats()["chunks_served"] == 3  # the tcp subscriber's, after the checksums
+
+
+def test_while_the_newest_is_hashed_tcp_subscribers_fetch_nothing_older(subscriber, hash_gate):
+    gate, entered = hash_gate
+    with WeightPublisher(chunk_mb=CHUNK_MB, keep=2) as pub:
+        gate.set()
+        pub.publish(weights(1), 1)
+        first = subscriber(pub.endpoint, transport="tcp")
+        assert_weights(first.poll(5000), 1)  # v1 was hashed and announced with checksums
+        gate.clear()
+        entered.clear()
+        pub.publish(weights(2), 2)
+        late_tcp = subscriber(pub.endpoint, transport="tcp")
+        late_shm = subscriber(pub.endpoint)
+        assert_weights(late_shm.poll(5000), 2)  # LATEST answers with the newest: mapped at once
+        assert late_shm.stats()["unhashed"] == 1
+        for sub in (late_tcp, first):  # v2's checksums are asked for: v1 (still held) is not fetched
+            assert sub.poll(300) is None and sub.stats()["waited_for_checksums"] >= 1
+        assert entered.is_set()  # v2 is being hashed (held)
+        assert late_tcp.stats()["received"] == 0 and pub.stats()["chunks_served"] == 3  # first's v1 only
+        gate.set()
+        for sub in (late_tcp, first):
+            assert_weights(sub.poll(5000), 2)
+            assert sub.stats()["rejected"] == 0
+
+
+def test_retiring_a_version_while_it_is_hashed_is_clean(subscriber, hash_gate):
+    gate, entered = hash_gate
+    before = memfds()
+    with WeightPublisher(chunk_mb=CHUNK_MB, keep=1) as pub:
+        tcp = subscriber(pub.endpoint, transport="tcp")
+        pub.publish(weights(1), 1)
+        assert tcp.poll(300) is None and entered.wait(5)  # v1's hash, on request, holds its payload
+        pub.publish(weights(2), 2)  # keep=1: v1 is retired in the background...
+        pub._store._retire()  # ...and here too, so that it surely is (white box)
+        gate.set()  # v1's hash finishes over the mapping it holds, and is not announced: v1 is gone
+        assert_weights(tcp.poll(5000), 2)
+        assert (tcp.stats()["received"], tcp.stats()["gone"], tcp.stats()["rejected"]) == (1, 0, 0)
+        assert tcp.poll(200) is None
+    assert memfds() <= before
+
+
+def test_a_hash_superseded_before_it_starts_is_skipped(subscriber, monkeypatch):
+    real, hashed = weight_publisher.add_checksums, []
+    entered, go = threading.Semaphore(0), threading.Semaphore(0)
+
+    def gated(header, payload, map_fn):
+        entered.release()
+        assert go.acquire(timeout=20)
+        out = real(header, payload, map_fn)
+        hashed.append(out.version)
+        return out
+
+    monkeypatch.setattr(weight_publisher, "add_checksums", gated)
+    with WeightPublisher(chunk_mb=CHUNK_MB, keep=2) as pub:
+        tcp = subscriber(pub.endpoint, transport="tcp")
+        pub.publish(weights(1), 1)
+        assert tcp.poll(300) is None and entered.acquire(timeout=5)  # asked for v1's: hashing, held
+        pub.publish(weights(2), 2)
+        assert tcp.poll(300) is None  # asks for v2's: queued behind v1's
+        pub.publish(weights(3), 3)  # v2 is superseded before its hash starts
+        go.release()
+        assert tcp.poll(300) is None and entered.acquire(timeout=5)  # asks for v3's: the next to start
+        go.release()
+        assert_weights(tcp.poll(5000), 3)  # v1's checksums went out too, but v3's were due
+        assert hashed == [1, 3]
+        assert (tcp.stats()["received"], tcp.stats()["rejected"]) == (1, 0)
+
+
+def test_closing_during_a_background_hash_is_clean(subscriber, monkeypatch):
+    before = memfds()
+    started, finished, seen = threading.Event(), threading.Event(), []
+    real = weight_publisher.add_checksums
+    pub = WeightPublisher(chunk_mb=CHUNK_MB, threads=1)  # 3 chunks, at least 3 pieces, one at a time
+    closing = pub._store._stop  # white box: what close() sets before it waits for the hash
+
+    def piece(fn, p):  # each piece lasts until close() has begun
+        started.set()
+        seen.append(closing.wait(20))
+        return fn(p)
+
+    def slow(header, payload, map_fn):
+        out = real(header, payload, lambda fn, items: map_fn(functools.partial(piece, fn), items))
+        finished.set()
+        return out
+
+    monkeypatch.setattr(weight_publisher, "add_checksums", slow)
+    tcp = subscriber(pub.endpoint, transport="tcp")
+    pub.publish(weights(1), 1)
+    assert tcp.poll(300) is None and started.wait(5)  # it asked for the checksums
+    pub.close()  # stops the hash after the piece under way, then releases everything
+    assert seen == [True] and not finished.is_set()
+    assert memfds() <= before
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish(weights(2), 2)

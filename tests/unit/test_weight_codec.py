@@ -16,6 +16,7 @@ from system.weight_codec import (
     WeightAssembler,
     WeightHeader,
     WeightMessageError,
+    add_checksums,
     crc32_combine,
     encode_weights,
 )
@@ -270,3 +271,71 @@ def test_in_place_buffer_corruption_and_truncation():
         WeightAssembler(header, payload).verify_buffer()
     with pytest.raises(WeightMessageError, match="payload truncated: 79 of 80 bytes"):
         WeightAssembler(header, payload[:79])
+
+
+# ---- headers without checksums (a sealed payload announced before it is hashed) ----------------------------
+def test_header_without_checksums_round_trips_and_add_checksums_completes_it():
+    named = {"a": np.array([1.0, 2.0, 3.0], np.float32), "b": np.array([7, -1], np.int64)}
+    full, chunks = encode_weights(named, version=5, chunk_bytes=32)
+    payload = bytearray()
+    bare, _ = encode_weights(
+        named, 5, 32, sink=lambda n: payload.extend(bytes(n)) or payload, checksums=False
+    )
+    doc = header_json(bare)
+    assert doc["checksum"] == "none" and doc["chunk_crc32"] == [] and doc["num_chunks"] == 3
+    assert [t["crc32"] for t in doc["tensors"]] == [0, 0]
+    assert {k: v for k, v in doc.items() if k not in ("checksum", "chunk_crc32", "tensors")} == {
+        k: v for k, v in header_json(full).items() if k not in ("checksum", "chunk_crc32", "tensors")
+    }  # the same layout
+    h = WeightHeader.from_bytes(bare)
+    assert not h.has_checksums and h.chunk_crc32 == () and h.to_bytes() == bare
+    assert bytes(payload) == b"".join(bytes(c) for c in chunks)  # copied all the same
+    assert add_checksums(bare, payload).to_bytes() == full  # one pass over the copy: the very same header
+    assert add_checksums(h, payload, map_fn=map) == WeightHeader.from_bytes(full)
+    with pytest.raises(WeightMessageError, match="payload truncated: 79 of 80 bytes"):
+        add_checksums(bare, payload[:79])
+
+
+def test_header_without_checksums_is_validated():
+    named, full, _ = small_message()
+    bare = encode_weights(named, 5, 32, checksums=False)[0]
+    doc = header_json(bare)
+    doc["chunk_crc32"] = [0, 0, 0]  # "none" carries none
+    with pytest.raises(WeightMessageError, match="num_chunks/chunk_crc32 disagree"):
+        WeightHeader.from_bytes(with_json(bare, doc))
+    doc = header_json(bare)
+    doc["tensors"][1]["crc32"] = 12345
+    with pytest.raises(WeightMessageError, match="checksum 'none' but a tensor carries a crc32"):
+        WeightHeader.from_bytes(with_json(bare, doc))
+    doc = header_json(full)
+    doc["chunk_crc32"] = []  # "crc32" with no chunk checksums: a stripped header, not a checksum-less one
+    with pytest.raises(WeightMessageError, match="num_chunks/chunk_crc32 disagree"):
+        WeightHeader.from_bytes(with_json(full, doc))
+    doc = header_json(bare)
+    doc["checksum"] = "md5"
+    with pytest.raises(WeightMessageError, match="unsupported format 1/'md5'"):
+        WeightHeader.from_bytes(with_json(bare, doc))
+    broken = bytearray(bare)
+    broken[30] ^= 0x01
+    with pytest.raises(WeightMessageError, match="header checksum mismatch"):
+        WeightHeader.from_bytes(bytes(broken))  # the header's own checksum still guards it
+    with pytest.raises(WeightMessageError, match=r"header JSON is .* bytes, its prefix says"):
+        WeightHeader.from_bytes(bare[:-3])
+
+
+def test_assembler_verifies_nothing_against_a_header_without_checksums():
+    named, _, chunks = small_message()
+    bare = encode_weights(named, 5, 32, checksums=False)[0]
+    with pytest.raises(WeightMessageError, match="v5: header has no checksums, chunk 0 cannot be verified"):
+        WeightAssembler(bare).add_chunk(chunks[0])
+    payload = bytearray(b"".join(bytes(c) for c in chunks))
+    asm = WeightAssembler(bare, payload)
+    with pytest.raises(WeightMessageError, match="v5: header has no checksums, the payload cannot be"):
+        asm.verify_buffer()
+    with pytest.raises(WeightMessageError, match="incomplete"):
+        asm.finish()  # nothing was accepted
+    asm.verify_buffer(trusted=True)  # a sealed memfd: the bytes are the ones written
+    out = asm.finish()
+    assert out["a"].tolist() == [1.0, 2.0, 3.0] and out["b"].tolist() == [7, -1]
+    with pytest.raises(WeightMessageError, match="payload truncated: 79 of 80 bytes"):
+        WeightAssembler(bare, payload[:79])
