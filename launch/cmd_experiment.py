@@ -166,7 +166,7 @@ def _provenance(jobs: int) -> dict[str, Any]:
 
 
 def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) -> None:
-    from launch.experiment import render_table, rows_summary
+    from launch.experiment import check_claims, render_claims, render_table, rows_summary
     from launch.experiment_plot import plot_curves
 
     summary = rows_summary(spec, results)
@@ -180,7 +180,13 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"Commit {prov['commit']}, {prov['cpus']} CPUs ({prov['cpu']}), {prov['jobs']} runs at a time, "
         f"{prov['wall_s'] / 60:.1f} min wall time for the runs not cached, started {prov['date']}.\n\n"
     )
+    claims = check_claims(spec, results)
     body = render_table(spec, summary)
+    if claims:
+        body += (
+            "\n\nThe paper's orderings, checked per seed (verdicts: launch/experiment.py `check_claims`):\n\n"
+        )
+        body += render_claims(claims)
     fails = "".join(f"\n- failed: {k}: {v}" for k, v in sorted(failed.items()))
     (out / f"{tag}.md").write_text(head + body + "\n" + fails + f"\n\n![curves]({png.name})\n")
     data = {
@@ -188,6 +194,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         "quick": spec.quick,
         "provenance": prov,
         "rows": summary,
+        "claims": claims,
         "runs": dict(sorted(results.items())),
         "failed": failed,
     }

@@ -35,6 +35,7 @@ SPEC_KEYS = {
     "common",
     "quick",
     "rows",
+    "claims",
 }
 ROW_KEYS = {"name", "group", "train", "set"}
 
@@ -64,6 +65,7 @@ class Spec:
     rows: tuple[Row, ...]
     quick: bool = False
     warmstart_seed: int | None = None  # one warm-started model for every seed (None: one per seed)
+    claims: tuple[tuple[str, str], ...] = ()  # (better row, worse row): the paper's orderings to check
 
     def model_seed(self, seed: int) -> int:
         return seed if self.warmstart_seed is None else self.warmstart_seed
@@ -146,6 +148,7 @@ def parse_spec(doc: Any, path: str = "<spec>", quick: bool = False) -> Spec:
         rows,
         quick,
         warm,
+        _claims(doc.get("claims"), {r.name for r in rows}, path),
     )
     for row in rows:  # every row's config must load before anything runs
         cost = resolved_config(spec, row, seeds[0]).algo.expected_cost
@@ -154,6 +157,22 @@ def parse_spec(doc: Any, path: str = "<spec>", quick: bool = False) -> Spec:
                 f"{path}: row {row.name!r} costs {cost:g} full trajectories per prompt, budget is {budget:g}"
             )
     return spec
+
+
+def _claims(doc: Any, names: set[str], path: str) -> tuple[tuple[str, str], ...]:
+    if doc is None:
+        return ()
+    if not isinstance(doc, list):
+        raise ExperimentSpecError(f"{path}: claims must be a list of {{better: ROW, worse: ROW}}")
+    out = []
+    for i, c in enumerate(doc):
+        if not isinstance(c, dict) or set(c) != {"better", "worse"}:
+            raise ExperimentSpecError(f"{path}: claims[{i}] must be a mapping with keys better and worse")
+        for side in ("better", "worse"):
+            if c[side] not in names:
+                raise ExperimentSpecError(f"{path}: claims[{i}].{side} = {c[side]!r} is not a row name")
+        out.append((c["better"], c["worse"]))
+    return tuple(out)
 
 
 def _row(doc: Any, i: int, path: str) -> Row:
@@ -237,11 +256,12 @@ def rows_summary(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[d
     return out
 
 
-def _fmt(ms: tuple[float, float]) -> str:
+def _fmt(ms: tuple[float, float], signed: bool = False) -> str:
     m, se = ms
     if math.isnan(m):
         return "—"
-    return f"{m:.3f}" if math.isnan(se) else f"{m:.3f} ± {se:.3f}"
+    head = f"{m:+.3f}" if signed else f"{m:.3f}"
+    return head if math.isnan(se) else f"{head} ± {se:.3f}"
 
 
 def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
@@ -262,4 +282,47 @@ def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
             _fmt(s["hop4"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each claim "better > worse" on held-out success, from per-seed paired differences (the rows of one
+    seed share prompts, sampling seed and start model): mean ± se of the differences and a verdict —
+    "reproduced" (mean > 2 se above 0), "reversed" (mean > 2 se below 0), "tie" (all differences 0),
+    "within noise" otherwise (with the sign of the mean)."""
+    by_row: dict[str, dict[int, float]] = {}
+    for r in results.values():
+        if "eval" not in r:
+            continue
+        for name in r["rows"]:
+            by_row.setdefault(name, {})[r["seed"]] = float(r["eval"]["success"])
+    out = []
+    for better, worse in spec.claims:
+        a, b = by_row.get(better, {}), by_row.get(worse, {})
+        diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+        m, se = mean_se(diffs)
+        if not diffs:
+            verdict = "no data"
+        elif all(abs(d) < 1e-12 for d in diffs):
+            verdict = "tie"
+        elif not math.isnan(se) and m > 2 * se:
+            verdict = "reproduced"
+        elif not math.isnan(se) and m < -2 * se:
+            verdict = "reversed"
+        else:
+            verdict = f"within noise ({'same' if m > 0 else 'opposite'} direction)"
+        out.append(
+            {"better": better, "worse": worse, "seeds": len(diffs), "diff": (m, se), "verdict": verdict}
+        )
+    return out
+
+
+def render_claims(claims: Sequence[Mapping[str, Any]]) -> str:
+    lines = [
+        "| the paper's ordering | seeds | success difference (paired) | here |",
+        "|---|---:|---:|---|",
+    ]
+    for c in claims:
+        diff = _fmt(c["diff"], signed=True)
+        lines.append(f"| {c['better']} > {c['worse']} | {c['seeds']} | {diff} | {c['verdict']} |")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
             {"name": "rho = 0.25", "group": "rho", "set": {"algo.rho": 0.25}},
             {"name": "(2,2)", "group": "allocation", "set": {"algo.M": 2, "algo.N": 2}},
         ],
+        "claims": [{"better": "TreeOPSD (4,2)", "worse": "ReAct"}],
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -51,7 +52,12 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
             assert run["model"].startswith(str(runs))  # the trained checkpoint was evaluated
         else:
             assert run["model"] == tiny_model_dir and run["curves"] == {}
+    (claim,) = data["claims"]
+    assert claim["seeds"] == 2 and claim["verdict"] in {"reproduced", "reversed", "tie"} | {
+        f"within noise ({d} direction)" for d in ("same", "opposite")
+    }
     table = (out / "tiny.md").read_text()
+    assert "| TreeOPSD (4,2) > ReAct | 2 |" in table
     assert "| main | TreeOPSD (4,2) | 8 | 2 |" in table and "![curves](tiny_curves.png)" in table
     png = (out / "tiny_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

@@ -8,10 +8,12 @@ import pytest
 
 from launch.experiment import (
     ExperimentSpecError,
+    check_claims,
     load_spec,
     mean_se,
     parse_spec,
     plan,
+    render_claims,
     render_table,
     resolved_config,
     rows_summary,
@@ -79,6 +81,8 @@ def test_plan_shares_runs_between_equal_configs_and_orders_by_seed():
         ({"extra": 1}, "unknown keys ['extra']"),
         ({"rows": [{"name": "cheap", "set": {"algo.M": 2, "algo.N": 2}}]}, "costs 4 full trajectories"),
         ({"rows": [{"name": "x", "set": [1]}]}, "must be a mapping"),
+        ({"claims": [{"better": "GRPO", "worse": "nope"}]}, "claims[0].worse = 'nope' is not a row name"),
+        ({"claims": [{"better": "GRPO"}]}, "claims[0] must be a mapping with keys better and worse"),
     ],
 )
 def test_bad_specs_name_the_problem(over, needle):
@@ -139,3 +143,29 @@ def test_rows_summary_and_table():
     assert lines[2] == "| main | ReAct | — | 1 | 0.400 | 0.500 | 0.300 |"
     assert lines[3] == "| main | GRPO | — | 0 | — | — | — |"
     assert lines[4] == "| main | TreeOPSD | 8 | 2 | 0.600 ± 0.100 | 0.700 ± 0.100 | 0.500 ± 0.100 |"
+
+
+def test_claims_use_paired_per_seed_differences():
+    claims = [
+        {"better": "TreeOPSD", "worse": "GRPO"},
+        {"better": "GRPO", "worse": "TreeOPSD"},
+        {"better": "TreeOPSD", "worse": "ReAct"},
+        {"better": "TreeOPSD", "worse": "rho = 0.25"},
+    ]
+    spec = parse_spec(_doc(seeds=[0, 1, 2], claims=claims))
+    success = {("ReAct", 0): 0.50, ("ReAct", 1): 0.50, ("ReAct", 2): 0.50,
+               ("GRPO", 0): 0.40, ("GRPO", 1): 0.60, ("GRPO", 2): 0.45,
+               ("TreeOPSD", 0): 0.45, ("TreeOPSD", 1): 0.66, ("TreeOPSD", 2): 0.52}  # fmt: skip
+    results = {}
+    for run in plan(spec):
+        results[run.key] = {"rows": list(run.rows), "seed": run.seed,
+                            "eval": {"success": success[(run.rows[0], run.seed)]}}  # fmt: skip
+    got = check_claims(spec, results)
+    # TreeOPSD - GRPO per seed: 0.05, 0.06, 0.07 -> mean 0.06, sd 0.01, se 0.01/sqrt(3) = 0.00577 < 0.06 / 2
+    assert got[0]["diff"] == pytest.approx((0.06, 0.01 / math.sqrt(3))) and got[0]["verdict"] == "reproduced"
+    assert got[1]["verdict"] == "reversed"
+    # TreeOPSD - ReAct: -0.05, +0.16, +0.02 -> mean 0.0433, sd 0.1069, se 0.0617: within 2 se of 0
+    assert got[2]["verdict"] == "within noise (same direction)" and got[2]["seeds"] == 3
+    assert got[3]["verdict"] == "tie"  # the same runs
+    md = render_claims(got)
+    assert "| TreeOPSD > GRPO | 3 | +0.060 ± 0.006 | reproduced |" in md
