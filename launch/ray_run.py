@@ -194,6 +194,17 @@ class Driver:
         active = [i for i in self.topo.manager.healthy_actor_ids() if i not in self.retiring]
         if active:
             self.topo.manager.foreach_actor_async("sample_and_push", kwargs=kwargs, remote_actor_ids=active)
+        self._collect_samplers()
+
+    def finish_retiring(self, timeout_s: float = 300.0) -> bool:
+        """Waits up to `timeout_s` for retiring samplers' last calls (their trees are committed) and removes
+        them; starts no new calls. True when none is left retiring."""
+        deadline = time.perf_counter() + timeout_s
+        while self.retiring and time.perf_counter() < deadline:
+            self._collect_samplers()
+        return not self.retiring
+
+    def _collect_samplers(self) -> None:
         for result in self.topo.manager.fetch_ready_async_reqs(timeout_seconds=0.05):
             if not result.ok:  # the actor died mid-call: its reservation goes back, Ray restarts it
                 self.sampler_failures += 1
