@@ -57,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     prov, t0 = _provenance(jobs), time.time()  # the code that runs is the code at the start
-    results, failed = _execute(spec, runs, runs_dir, Path(args.models_dir), jobs)
+    results, failed, executed = _execute(spec, runs, runs_dir, Path(args.models_dir), jobs)
     prov["wall_s"] = round(time.time() - t0, 1)
+    prov["executed_by"] = _history(runs_dir, prov, executed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _write_outputs(spec, tag, results, failed, out, prov)
@@ -99,7 +100,7 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
         file=sys.stderr,
     )
     if not todo:
-        return results, failed
+        return results, failed, 0
     quick = "1" if spec.quick else "0"
     with ThreadPoolExecutor(jobs) as pool:  # each thread waits on one child process
         seeds = sorted({spec.model_seed(r.seed) for r in todo})
@@ -133,7 +134,22 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
                 failed[r.key] = str(e)
                 msg = f"FAILED {failed[r.key]}"
             print(f"[{n}/{len(todo)}] {r.key} seed {r.seed} ({'; '.join(r.rows)}): {msg}", file=sys.stderr)
-    return results, failed
+    return results, failed, len(todo) - len(failed)
+
+
+def _history(runs_dir: Path, prov: dict[str, Any], executed: int) -> list[dict[str, Any]]:
+    """runs_dir/history.json: every invocation that ran something (commit, date, runs, wall time), so a
+    table rendered later from cached runs still says which code produced them."""
+    path = runs_dir / "history.json"
+    history = json.loads(path.read_text()) if path.is_file() else []
+    if executed:
+        keys = ("commit", "date", "wall_s", "jobs")
+        history.append({**{k: prov[k] for k in keys}, "runs": executed})
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(history, indent=1))
+        tmp.replace(path)
+    return history
 
 
 def _provenance(jobs: int) -> dict[str, Any]:
@@ -166,6 +182,11 @@ def _provenance(jobs: int) -> dict[str, Any]:
 
 
 def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) -> None:
+    ran = "; ".join(
+        f"commit {h['commit']} from {h['date']} ({h['runs']} runs, {h['wall_s'] / 60:.1f} min wall, "
+        f"{h['jobs']} at a time)"
+        for h in prov["executed_by"]
+    )
     from launch.experiment import check_claims, render_claims, render_table, rows_summary
     from launch.experiment_plot import plot_curves
 
@@ -177,8 +198,8 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"`treeopsd experiment {spec.path}{' --quick' if spec.quick else ''}` — seeds "
         f"{list(spec.seeds)}, {spec.steps} learner steps per run, greedy success on {spec.eval_tasks} "
         f"held-out 3–4-hop questions, mean ± standard error over seeds.\n\n"
-        f"Commit {prov['commit']}, {prov['cpus']} CPUs ({prov['cpu']}), {prov['jobs']} runs at a time, "
-        f"{prov['wall_s'] / 60:.1f} min wall time for the runs not cached, started {prov['date']}.\n\n"
+        f"Runs executed by {ran or 'nothing'}. Table rendered at commit {prov['commit']} on "
+        f"{prov['cpus']} CPUs ({prov['cpu']}), {prov['date']}.\n\n"
     )
     claims = check_claims(spec, results)
     body = render_table(spec, summary)

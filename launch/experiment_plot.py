@@ -42,8 +42,13 @@ def plot_curves(spec: Spec, results: Mapping[str, Mapping[str, Any]], path: Path
     import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys(r.group for r in spec.rows))
-    fig, axes = plt.subplots(1, len(groups) + 1, figsize=(4.6 * (len(groups) + 1), 4.2), squeeze=False)
-    for ax, group in zip(axes[0], groups, strict=False):
+    cols = min(3, len(groups) + 1)
+    rows = math.ceil((len(groups) + 1) / cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[len(groups) + 1 :]:
+        ax.set_visible(False)
+    for ax, group in zip(axes, groups, strict=False):
         for row in (r for r in spec.rows if r.group == group):
             got = row_curve(spec, row.name, results)
             if got is None:
@@ -60,7 +65,7 @@ def plot_curves(spec: Spec, results: Mapping[str, Mapping[str, Any]], path: Path
         if ax.get_lines():
             ax.legend(fontsize=7, loc="lower right")
     summary = rows_summary(spec, results)
-    ax = axes[0][-1]
+    ax = axes[len(groups)]
     means = [s["success"][0] for s in summary]
     errs = [0.0 if math.isnan(s["success"][1]) else s["success"][1] for s in summary]
     ys = range(len(summary))

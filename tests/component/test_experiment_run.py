@@ -63,6 +63,13 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     capsys.readouterr()
 
+    (first,) = json.loads((runs / "history.json").read_text())
+    assert first["runs"] == 6 and first["jobs"] == 2
     assert main(argv) == 0  # every run has a result.json: nothing runs again, same table
     assert "6 runs, 6 already done" in capsys.readouterr().err
-    assert json.loads((out / "tiny.json").read_text())["rows"] == data["rows"]
+    again = json.loads((out / "tiny.json").read_text())
+    assert again["rows"] == data["rows"] and again["provenance"]["executed_by"] == [first]
+    assert (
+        f"Runs executed by commit {first['commit']} from {first['date']} (6 runs,"
+        in (out / "tiny.md").read_text()
+    )
