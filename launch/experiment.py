@@ -289,7 +289,7 @@ def check_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[d
     """Each claim "better > worse" on held-out success, from per-seed paired differences (the rows of one
     seed share prompts, sampling seed and start model): mean ± se of the differences and a verdict —
     "reproduced" (mean > 2 se above 0), "reversed" (mean > 2 se below 0), "tie" (all differences 0),
-    "within noise" otherwise (with the sign of the mean)."""
+    "within noise" otherwise (with the direction of the mean, if any)."""
     by_row: dict[str, dict[int, float]] = {}
     for r in results.values():
         if "eval" not in r:
@@ -309,6 +309,8 @@ def check_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[d
             verdict = "reproduced"
         elif not math.isnan(se) and m < -2 * se:
             verdict = "reversed"
+        elif abs(m) < 1e-9:  # differences that cancel: no direction to report
+            verdict = "within noise (no mean difference)"
         else:
             verdict = f"within noise ({'same' if m > 0 else 'opposite'} direction)"
         out.append(
