@@ -62,22 +62,14 @@ def _write_summary(results: dict, out: str) -> None:
     """`bench all --out X.json` also writes X.md: every headline figure beside its goal and baseline."""
     import os
     import platform
-    import subprocess
-    import time
     from pathlib import Path
 
     from benchmarks.summary import render
+    from launch import provenance
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     where = (
-        f"Commit {commit}, {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
-        f"load average {os.getloadavg()[0]:.2f} at the end, {when}."
+        f"Commit {provenance.commit()}, {os.cpu_count()} CPUs ({provenance.cpu_model()}), Python "
+        f"{platform.python_version()}, load average {os.getloadavg()[0]:.2f} at the end, {provenance.now()}."
     )
     Path(out).with_suffix(".md").write_text(render(results, where))
 

@@ -140,44 +140,28 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
 def _history(runs_dir: Path, prov: dict[str, Any], executed: int) -> list[dict[str, Any]]:
     """runs_dir/history.json: every invocation that ran something (commit, date, runs, wall time), so a
     table rendered later from cached runs still says which code produced them."""
+    from launch.provenance import write_json
+
     path = runs_dir / "history.json"
     history = json.loads(path.read_text()) if path.is_file() else []
     if executed:
         keys = ("commit", "date", "wall_s", "jobs")
         history.append({**{k: prov[k] for k in keys}, "runs": executed})
         runs_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(history, indent=1))
-        tmp.replace(path)
+        write_json(path, history)
     return history
 
 
 def _provenance(jobs: int) -> dict[str, Any]:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
+    from launch import provenance
 
-    cpu = "unknown"
-    with_model = Path("/proc/cpuinfo")
-    if with_model.is_file():
-        cpu = next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in with_model.read_text().splitlines()
-                if ln.startswith("model name")
-            ),
-            "unknown",
-        )
-    dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
     return {
-        "commit": git("rev-parse", "--short", "HEAD") + dirty,
+        "commit": provenance.commit(),
         "cpus": os.cpu_count(),
-        "cpu": cpu,
+        "cpu": provenance.cpu_model(),
         "python": platform.python_version(),
         "jobs": jobs,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": provenance.now(),
     }
 
 
@@ -192,7 +176,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
 
     summary = rows_summary(spec, results)
     png = out / f"{tag}_curves.png"
-    plot_curves(spec, results, png)
+    plot_curves(spec, results, summary, png)
     head = (
         f"# {spec.name}{' (--quick)' if spec.quick else ''}\n\n"
         f"`treeopsd experiment {spec.path}{' --quick' if spec.quick else ''}` — seeds "

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.experiment import Spec, mean_se, rows_summary
+from launch.experiment import Spec, mean_se
 
 
 def smooth(xs: Sequence[float], window: int) -> list[float]:
@@ -35,7 +35,10 @@ def row_curve(spec: Spec, row: str, results: Mapping[str, Mapping[str, Any]], ke
     return list(range(1, n + 1)), [m for m, _ in stats], [0.0 if math.isnan(s) else s for _, s in stats]
 
 
-def plot_curves(spec: Spec, results: Mapping[str, Mapping[str, Any]], path: Path) -> None:
+def plot_curves(
+    spec: Spec, results: Mapping[str, Mapping[str, Any]], summary: Sequence[Mapping[str, Any]], path: Path
+) -> None:
+    """`summary`: launch.experiment.rows_summary of the same results (the bar panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,7 +67,6 @@ def plot_curves(spec: Spec, results: Mapping[str, Mapping[str, Any]], path: Path
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=7, loc="lower right")
-    summary = rows_summary(spec, results)
     ax = axes[len(groups)]
     means = [s["success"][0] for s in summary]
     errs = [0.0 if math.isnan(s["success"][1]) else s["success"][1] for s in summary]

@@ -29,24 +29,14 @@ def _threads() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=float))
-    os.replace(tmp, path)
-
-
 def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str) -> str:
     """The seed's warm-started tiny model (cached in models_dir), or the base config's model.path."""
     _threads()
     from launch.experiment import load_spec, resolved_config
-    from launch.model_setup import check_model_path, tiny_model_dir, warm_start_tiny
+    from launch.model_setup import resolve_model
 
     spec = load_spec(spec_path, quick)
-    cfg = resolved_config(spec, spec.rows[0], seed)
-    if cfg.model.path:
-        return check_model_path(cfg.model.path)
-    out = Path(models_dir) / tiny_model_dir(cfg).name
-    return str(warm_start_tiny(cfg, out=out, progress=False)["model_dir"])
+    return resolve_model(resolved_config(spec, spec.rows[0], seed), progress=False, models_dir=models_dir)
 
 
 def run_one(
@@ -59,6 +49,7 @@ def run_one(
     from launch.experiment import load_spec, resolved_config
     from launch.local_run import build_local_run
     from launch.model_setup import load_tokenizer
+    from launch.provenance import write_json
 
     spec = load_spec(spec_path, quick)
     row = next(r for r in spec.rows if r.name == run["rows"][0])

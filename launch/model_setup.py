@@ -37,13 +37,14 @@ def check_model_path(path: str | Path, what: str = "model.path") -> str:
     return str(p)
 
 
-def tiny_model_dir(cfg: Config, steps: int | None = None) -> Path:
-    """Cache folder of the warm-started tiny model for these settings (it may not exist yet)."""
+def tiny_model_dir(cfg: Config, steps: int | None = None, models_dir: str | Path | None = None) -> Path:
+    """Cache folder of the warm-started tiny model for these settings (it may not exist yet), in
+    `models_dir` (default: beside the run directory)."""
     from actors.policy.warmstart import RECIPE_VERSION
 
     settings = {"recipe": RECIPE_VERSION, "steps": steps or cfg.model.warmstart_steps, "seed": cfg.run.seed}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(cfg.run.run_dir).parent / "models" / f"tiny-{digest}"
+    return Path(models_dir or Path(cfg.run.run_dir).parent / "models") / f"tiny-{digest}"
 
 
 def cached_tiny_model(cfg: Config) -> str | None:
@@ -68,11 +69,13 @@ def warm_start_tiny(
     return {**report, "model_dir": str(out)}
 
 
-def resolve_model(cfg: Config, progress: bool = True) -> str:
-    """`cfg.model.path` (must exist), else the cached warm-started tiny model (trained on first use)."""
+def resolve_model(cfg: Config, progress: bool = True, models_dir: str | Path | None = None) -> str:
+    """`cfg.model.path` (must exist), else the cached warm-started tiny model (trained on first use) in
+    `models_dir` (default: beside the run directory)."""
     if cfg.model.path:
         return check_model_path(cfg.model.path)
-    return warm_start_tiny(cfg, progress=progress)["model_dir"]
+    out = tiny_model_dir(cfg, models_dir=models_dir)
+    return str(warm_start_tiny(cfg, out=out, progress=progress)["model_dir"])
 
 
 def build_policy(cfg: Config, model_path: str, seed: int | None = None, greedy: bool = False) -> Any:

@@ -1,0 +1,46 @@
+"""Where a result came from (commit, machine, time), and writing result files atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _git(*cmd: str) -> str | None:
+    try:
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def commit() -> str:
+    """Short HEAD hash, marked when tracked files have uncommitted changes; "unknown" outside git."""
+    head = _git("rev-parse", "--short", "HEAD")
+    if head is None:
+        return "unknown"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return head + (" (+ uncommitted changes)" if dirty else "")
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return platform.machine() or "unknown"
+    lines = cpuinfo.read_text().splitlines()
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Temp file then rename: a reader sees the old file or the whole new one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=float))
+    os.replace(tmp, path)
