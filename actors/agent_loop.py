@@ -11,12 +11,14 @@ has `max_turns − k` left), or the token budget (the cut turn is terminal and k
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from actors.chat import ChatFormat
 from actors.envs.base import Environment, StepResult, Task
 from actors.envs.tool_calls import ToolCall
+from system.interfaces import WeightSink
 from system.policy import PolicyBackend, SampleRequest
 from system.tree_build import TreeBuilder
 
@@ -51,19 +53,35 @@ class Episode:
     verifier_failed: bool = False
 
 
+def apply_new_weights(backend: PolicyBackend, weights: WeightSink | None, stats: dict[str, float]) -> bool:
+    """Where a sampler applies new weights: between turns, never inside one. Takes the newest complete,
+    verified version from `weights` (if any newer than the backend's) and loads it in place; the turns
+    sampled after this carry the new version. True when a version was applied."""
+    got = weights.poll(0) if weights is not None else None
+    if got is None or got[0] <= backend.version:
+        return False
+    t0 = time.perf_counter()
+    backend.load_weights(got[1], version=got[0])
+    stats["weights/apply_s"] = time.perf_counter() - t0
+    stats["weights/applied"] = stats.get("weights/applied", 0.0) + 1.0
+    return True
+
+
 def run_episodes(
     episodes: Sequence[Episode],
     backend: PolicyBackend,
     env: Environment,
     chat: ChatFormat,
     limits: LoopLimits,
-    between_turns: Callable[[], None] | None = None,
+    weights: WeightSink | None = None,
+    stats: dict[str, float] | None = None,
 ) -> None:
-    """Steps every episode to its end; each finished episode's last node is a leaf with its reward."""
+    """Steps every episode to its end; each finished episode's last node is a leaf with its reward. Before
+    each round of turns, new weights from `weights` are applied (`apply_new_weights`)."""
+    stats = {} if stats is None else stats
     live = [e for e in episodes if not e.done]
     while live:
-        if between_turns is not None:
-            between_turns()  # weights are swapped only here, never inside a turn
+        apply_new_weights(backend, weights, stats)
         requests, stepping = [], []
         for e in live:
             room = limits.token_budget - len(e.context)

@@ -1,17 +1,18 @@
-"""Weight broadcast, sampler side: the `WeightSink` over ZeroMQ (protocol: learner/weight_publisher.py).
+"""Weight broadcast, sampler side: the `WeightSink` over ZeroMQ (frames: system/weight_wire.py; flow:
+learner/weight_publisher.py).
 
 `poll` returns only complete versions newer than the last one it returned, verified against their checksums
-or read from a sealed memfd. A version whose header, chunks or tensors fail their checks
-(system/weight_codec.py) is rejected: logged, counted in `stats()`, the last good version stays in force, and
-the latest is asked for again (at most `max_retries` times per version; after that only a newer announcement
-is tried).
+or read from a sealed memfd. A version whose header or chunks fail their checks (system/weight_codec.py), or
+that is truncated or incomplete, is rejected: logged, counted in `stats()`, the last good version stays in
+force, and the latest is asked for again (at most `max_retries` times per version; after that only a newer
+announcement is tried).
 
 Where the payload comes from: on the publisher's host, its memfd (opened through /proc/PID/fd/N, checked to be
 the announced inode, mapped copy-on-write). If the memfd is sealed against writes and resizes, its bytes are
 the ones the publisher wrote and nobody can change them, so they are not hashed (`verify_sealed=True` hashes
-them anyway); an unsealed one is verified chunk by chunk and tensor by tensor. Anywhere else: chunks over the
-socket, `window` requests in flight, each checked on arrival. `stats()["transport"]` says which ("shm" or
-"tcp") and `stats()["verified"]` how ("sealed" or "checksums").
+them anyway); an unsealed one is verified chunk by chunk (the chunks cover every byte). Anywhere else:
+chunks over the socket, `window` requests in flight, each checked on arrival. `stats()["transport"]` says
+which ("shm" or "tcp") and `stats()["verified"]` how ("sealed" or "checksums").
 
 The publisher announces a sealed payload without checksums. That is used only where checksums would prove
 nothing: through shared memory, sealed, and `verify_sealed=False` (`stats()["unhashed"]` counts those
@@ -39,7 +40,6 @@ import json
 import logging
 import mmap
 import os
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,10 +47,9 @@ from typing import Any
 import zmq
 
 from system.weight_codec import WeightAssembler, WeightHeader, WeightMessageError
+from system.weight_wire import ANNOUNCE, BYE, CHUNK, GET, GONE, LATEST, META, NEED, NONE, VERSION
 
 log = logging.getLogger(__name__)
-META = struct.Struct(">QII")  # version, chunk index, fetch tag (echoed by the publisher)
-_VERSION = struct.Struct(">Q")  # NEED's version
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: map every page now, without breaking copy-on-write
 _SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW")) or -1
 
@@ -128,7 +127,7 @@ class WeightSubscriber:
 
     def request_latest(self) -> None:
         """Ask the publisher for its newest version (also how a late joiner catches up)."""
-        self._sock.send(b"LATEST")
+        self._sock.send(LATEST)
         self._asked = time.monotonic()
 
     def stats(self) -> dict[str, Any]:
@@ -136,7 +135,7 @@ class WeightSubscriber:
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(b"BYE", zmq.NOBLOCK)
+            self._sock.send(BYE, zmq.NOBLOCK)
         self._sock.close(linger=0)
         self._ctx.term()
         if self._pool is not None:
@@ -151,7 +150,7 @@ class WeightSubscriber:
     # ---- messages ---------------------------------------------------------------------------------------
     def _on_message(self, frames: list[bytes]) -> None:
         kind = frames[0] if frames else b""
-        if kind == b"ANNOUNCE" and len(frames) == 3:
+        if kind == ANNOUNCE and len(frames) == 3:
             try:
                 header = WeightHeader.from_bytes(frames[1])
                 locator = json.loads(frames[2])
@@ -180,7 +179,7 @@ class WeightSubscriber:
             upgrade = upgrade and (v, source) == (base_v, base_source)
             if (newer or upgrade) and self._failures.get(v, 0) <= self.max_retries:
                 self._offer = (header, locator)
-        elif kind not in (b"NONE", b"CHUNK", b"GONE"):  # late chunks of an abandoned fetch are expected
+        elif kind not in (NONE, CHUNK, GONE):  # late chunks of an abandoned fetch are expected
             self._stats["bad_messages"] += 1
 
     def _wait_for_checksums(self, version: int, source: Any) -> None:
@@ -188,7 +187,7 @@ class WeightSubscriber:
         older is fetched meanwhile (on a late joiner too, as LATEST answers with the newest only)."""
         self._stats["waited_for_checksums"] += 1
         self._awaiting, self._offer = (version, source), None
-        self._sock.send_multipart([b"NEED", _VERSION.pack(version)])
+        self._sock.send_multipart([NEED, VERSION.pack(version)])
 
     def _may_map_unhashed(self, locator: dict[str, Any]) -> bool:
         """Whether a checksum-less announcement can serve here: its memfd, sealed, is mapped from this host
@@ -287,7 +286,7 @@ class WeightSubscriber:
         deadline = time.monotonic() + self.fetch_timeout_s
         while not asm.complete:
             while inflight < self.window and sent < n:
-                self._sock.send_multipart([b"GET", META.pack(v, sent, self._tag)])
+                self._sock.send_multipart([GET, META.pack(v, sent, self._tag)])
                 sent, inflight = sent + 1, inflight + 1
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
@@ -295,13 +294,13 @@ class WeightSubscriber:
             frames = self._sock.recv_multipart(copy=False)
             kind = frames[0].bytes
             meta = frames[1].bytes if len(frames) > 1 else b""
-            if kind not in (b"CHUNK", b"GONE") or len(meta) != META.size:
+            if kind not in (CHUNK, GONE) or len(meta) != META.size:
                 self._on_message([f.bytes for f in frames])
                 continue
             mv, index, tag = META.unpack(meta)
             if (mv, tag) != (v, self._tag):
                 continue  # stale
-            if kind == b"GONE":
+            if kind == GONE:
                 raise _Gone
             if len(frames) != 3:
                 raise WeightMessageError(f"v{v}: chunk {index} message has {len(frames)} frames, expected 3")

@@ -34,7 +34,7 @@ from actors.policy.tiny_model import build_tiny_model, build_tokenizer
 from configs.schema import parse_config
 from learner.learner import Learner
 from learner.packing import pack_paths
-from system.backup import credit_rollout_tree
+from system.credit import credit_rollout_tree
 from system.tree import RolloutTree
 from system.tree_build import TreeBuilder, choose_anchors
 

@@ -4,7 +4,7 @@
     treeopsd bench sampler --json --quick    # 4 prompts
     TREEOPSD_BENCH_BACKEND=hf treeopsd bench sampler --json   # force a backend (default: vllm if importable)
 
-1. Sampler: `SamplerWorker.sample` (agent loop + environment + initialize–expand tree bookkeeping) on a
+1. Sampler: `TreeSampler.sample` (agent loop + environment + initialize–expand tree bookkeeping) on a
    recording backend that keeps every `sample` call's exact SampleRequests and results.
 2. Raw: the same calls, in the same order and batching, straight to a fresh backend with the same seed
    (HF: a new HFBackend; vLLM: the same engine with its request counter rewound and its prefix cache
@@ -162,7 +162,7 @@ def _backend_name() -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from actors.sampler_worker import build_env
+    from actors.sampler_setup import build_env
     from configs.schema import load_config
 
     quick = bool(getattr(args, "quick", False))
@@ -192,14 +192,14 @@ def _fresh(cfg: Any, model: str, rec: RecordingBackend, eos: int, n0: int) -> No
 def _measure(cfg: Any, model: str, prompts: int, chunk: int, repeats: int) -> dict[str, Any]:
     """Sampler phase and raw replay, `repeats` times each from the same state (best time kept: the
     machine is shared), then prefix statistics; see the module docstring."""
-    from actors.sampler_worker import SamplerWorker
+    from actors.sampler_setup import build_sampler
     from launch.model_setup import build_policy
 
     t0 = time.perf_counter()
     rec = RecordingBackend(build_policy(cfg, model, seed=cfg.run.seed))
     start_s = time.perf_counter() - t0
     try:
-        worker = SamplerWorker(cfg, model, backend=rec)
+        worker = build_sampler(cfg, model, backend=rec)
         eos = worker.chat.stop_token_ids[0]
         _warm_up(rec.inner, eos)
         n0, rng_state = getattr(rec.inner, "_n_requests", 0), worker.rng.bit_generator.state

@@ -3,14 +3,19 @@
     treeopsd bench store --json            # 100k+ nodes
     treeopsd bench store --json --quick    # ~10k nodes
 
-Keys: nodes, trees, tokens, bytes (Arrow segment bytes on disk), write_mb_s (put_raw commits: validate,
-encode, write, fsync, rename, fsync dir), read_zero_copy_mb_s (memory-map every segment, open it, take the
+Keys: nodes, trees, tokens, bytes (Arrow segment bytes on disk); write_mb_s: put_raw commits of the IPC bytes
+a sampler sends (`tree_codec.encode_ipc`, as the store actor receives them): one validation, then the bytes
+as they are (write, fsync, rename, fsync dir); write_reencode_mb_s, the same commits the way they were made
+before the store committed bytes (decode the IPC into trees, validate, encode again, write), in the same
+run; commit_over_reencode = their ratio; write_trees_mb_s: put_raw of RolloutTree objects in one process
+(validate, encode once, write); read_zero_copy_mb_s (memory-map every segment, open it, take the
 flat columns and touch every token id, loss-mask byte and log-prob), pickle_read_mb_s (pickle.loads of the
 same nodes as a list of dicts of Python lists: the usual queue/object-store payload), zero_copy_over_pickle.
 Both read rates divide the same Arrow byte count by their time, so their ratio is the speed-up on the same
 nodes; pickle_bytes is the pickle's own size. Also: validate_s (system.tree.validate_tree over all trees,
-which every commit, decode and full reopen runs, and which dominates them), decode_trees_s (RolloutTree
-objects from the mapped store) and reopen_s (open with full validation). pickle is imported only here.
+tree by tree, as decode_trees runs it), check_columns_s (the same rules over the encoded columns,
+storage/tree_checks.py, as every commit and full reopen runs them), decode_trees_s (RolloutTree objects from
+the mapped store) and reopen_s (open with full validation). pickle is imported only here.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ import argparse
 import pickle
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from storage import store_files as sf
 from storage.replay_store import ReplayStore
-from storage.tree_codec import decode_trees, flat_columns
+from storage.tree_checks import check_trees
+from storage.tree_codec import decode_ipc, decode_trees, encode_ipc, encode_trees, flat_columns
 from system.tree import RolloutTree, TurnNode, validate_tree
 
 NODES_PER_TREE = 25
@@ -86,20 +93,37 @@ def _zero_copy_read(paths: list[Path]) -> tuple[float, float]:
     return time.perf_counter() - t0, acc
 
 
+def _timed_commits(directory: Path, items: list, commit: Callable[[ReplayStore, object], object]) -> float:
+    """Seconds to commit every item into a fresh store at `directory`."""
+    with ReplayStore(directory) as store:
+        t0 = time.perf_counter()
+        for item in items:
+            commit(store, item)
+        return time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> dict:
     num_trees = 400 if getattr(args, "quick", False) else 4000
     rng = np.random.default_rng(0)
     trees = [_tree(i, rng) for i in range(num_trees)]
     t0 = time.perf_counter()
     for t in trees:
-        validate_tree(t)  # part of every commit; timed alone to show what it costs
+        validate_tree(t)  # what decode_trees runs per tree; timed alone to show what it costs
     validate_s = time.perf_counter() - t0
+    batches = [encode_trees(trees[k : k + COMMIT_TREES]) for k in range(0, num_trees, COMMIT_TREES)]
+    t0 = time.perf_counter()
+    for b in batches:
+        check_trees(b, flat_columns(b))  # the same rules over the columns: what commits and reopens run
+    check_s = time.perf_counter() - t0
+    chunks = [trees[k : k + COMMIT_TREES] for k in range(0, num_trees, COMMIT_TREES)]
+    wire = [encode_ipc(c) for c in chunks]  # the samplers' side: encoded once, before the store sees them
     with tempfile.TemporaryDirectory(prefix="bench_store_") as d:
-        store = ReplayStore(Path(d) / "store")
-        t0 = time.perf_counter()
-        for k in range(0, num_trees, COMMIT_TREES):
-            store.put_raw(trees[k : k + COMMIT_TREES])
-        write_s = time.perf_counter() - t0
+        write_s = _timed_commits(Path(d) / "bytes", wire, lambda store, buf: store.put_raw(buf))
+        reencode_s = _timed_commits(
+            Path(d) / "reencode", wire, lambda store, buf: store.put_raw(decode_ipc(buf))
+        )
+        trees_s = _timed_commits(Path(d) / "trees", chunks, lambda store, c: store.put_raw(c))
+        store = ReplayStore(Path(d) / "bytes")
         stats = store.stats()
         t0 = time.perf_counter()
         decoded = decode_trees(store.read_columns())
@@ -107,9 +131,9 @@ def run(args: argparse.Namespace) -> dict:
         assert len(decoded) == num_trees and decoded[-1].equals(trees[-1])
         store.close()
         t0 = time.perf_counter()
-        ReplayStore(Path(d) / "store").close()
+        ReplayStore(Path(d) / "bytes").close()
         reopen_s = time.perf_counter() - t0
-        paths = sorted((Path(d) / "store" / "segments").glob("*.arrow"))
+        paths = sorted((Path(d) / "bytes" / "segments").glob("*.arrow"))
         _zero_copy_read(paths)  # warm the page cache, as for pickle's in-memory bytes
         zc_s = min(_zero_copy_read(paths)[0] for _ in range(3))
     blob = pickle.dumps(_as_dicts(trees), protocol=pickle.HIGHEST_PROTOCOL)
@@ -125,10 +149,14 @@ def run(args: argparse.Namespace) -> dict:
         "bytes": stats["bytes"],
         "pickle_bytes": len(blob),
         "write_mb_s": round(mb / write_s, 1),
+        "write_reencode_mb_s": round(mb / reencode_s, 1),
+        "commit_over_reencode": round(reencode_s / write_s, 2),
+        "write_trees_mb_s": round(mb / trees_s, 1),
         "read_zero_copy_mb_s": round(mb / zc_s, 1),
         "pickle_read_mb_s": round(mb / pickle_s, 1),
         "zero_copy_over_pickle": round(pickle_s / zc_s, 1),
         "validate_s": round(validate_s, 3),
+        "check_columns_s": round(check_s, 3),
         "decode_trees_s": round(decode_s, 3),
         "reopen_s": round(reopen_s, 3),
         "commits": len(paths),

@@ -35,6 +35,15 @@ import zmq
 HIDDEN, FFN, HEADS, KV_HEADS = 512, 1536, 8, 2
 
 
+def _wait(pred: Any, what: str, timeout_s: float = 300) -> None:
+    """Until `pred()`; a publisher that never gets there fails the run instead of hanging it."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout_s} s")
+        time.sleep(0.005)
+
+
 def _config(target_bytes: int) -> dict[str, Any]:
     """Qwen2 config kwargs whose float32 state dict is about `target_bytes`."""
     vocab = 8192 if target_bytes >= 128 << 20 else 2048
@@ -163,12 +172,10 @@ class _Ours:
         self.pub.publish(payload, version)
         self.group.wait(str(version))
         dt = time.perf_counter() - t0
-        stats = self.pub.stats()
-        self.publish_s = min(self.publish_s, stats["publish_s"])  # the warm-up is the slowest
-        while stats["hashing"]:  # the hash of this version may still run: its time comes after
-            time.sleep(0.005)
-            stats = self.pub.stats()
-        self.hash_s = min(self.hash_s, stats["hash_s"])
+        self.publish_s = min(self.publish_s, self.pub.stats()["publish_s"])  # the warm-up is the slowest
+        # The hash of this version may still run: its time comes after.
+        _wait(lambda: not self.pub.stats()["hashing"], "the background hash")
+        self.hash_s = min(self.hash_s, self.pub.stats()["hash_s"])
         return dt
 
     def close(self) -> None:
@@ -219,8 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, case in cases.items():
                 # Steady state: training runs between publishes, so every publisher has its next memfd
                 # pre-allocated, and none is allocating or hashing in the background while another is timed.
-                while not all(c.ready() for c in cases.values()):
-                    time.sleep(0.01)
+                _wait(lambda: all(c.ready() for c in cases.values()), "every publisher's spare and hash")
                 time.sleep(0.1)
                 dt = case.once(payload, version)
                 if version > 1:

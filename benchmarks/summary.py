@@ -17,7 +17,14 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         ("read_zero_copy_mb_s", "pickle_read_mb_s"),
         "zero-copy Arrow reads over pickle, same nodes",
     ),
-    ("store", "write_mb_s", "", None, ("nodes",), "durable commits (fsync + rename)"),
+    (
+        "store",
+        "commit_over_reencode",
+        ">=",
+        1.0,
+        ("write_mb_s", "write_reencode_mb_s"),
+        "durable commits of the received IPC bytes over decode + re-encode (fsync + rename)",
+    ),
     (
         "sampler",
         "sampler_over_raw",

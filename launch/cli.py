@@ -39,20 +39,14 @@ def _run_bench(args: argparse.Namespace) -> int:
     names = BENCHMARKS if args.name == "all" else (args.name,)
     results = {}
     for name in names:
-        try:
-            mod = importlib.import_module(f"benchmarks.bench_{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"benchmarks.bench_{name}":
-                raise
-            results[name] = {"error": "not implemented yet"}
-            continue
-        results[name] = mod.run(args)
+        results[name] = importlib.import_module(f"benchmarks.bench_{name}").run(args)
     out = results[names[0]] if len(names) == 1 else results
     text = json.dumps(out, sort_keys=True)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        from storage.durable import write_atomic
+
+        write_atomic(args.out, (text + "\n").encode())
         if len(names) > 1:
             _write_summary(results, args.out)
     return 0
@@ -66,12 +60,13 @@ def _write_summary(results: dict, out: str) -> None:
 
     from benchmarks.summary import render
     from launch import provenance
+    from storage.durable import write_atomic
 
     where = (
         f"Commit {provenance.commit()}, {os.cpu_count()} CPUs ({provenance.cpu_model()}), Python "
         f"{platform.python_version()}, load average {os.getloadavg()[0]:.2f} at the end, {provenance.now()}."
     )
-    Path(out).with_suffix(".md").write_text(render(results, where))
+    write_atomic(Path(out).with_suffix(".md"), render(results, where).encode())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,13 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        try:
-            mod = importlib.import_module(f"launch.cmd_{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"launch.cmd_{name}":
-                raise
-            p.set_defaults(_not_yet=name)
-            continue
+        mod = importlib.import_module(f"launch.cmd_{name}")
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
     _add_bench(sub)
@@ -96,9 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return _run_bench(args)
-    if getattr(args, "_not_yet", None):
-        print(f"treeopsd {args._not_yet}: not implemented yet in this version", file=sys.stderr)
-        return 2
     return int(args._module.run(args) or 0)
 
 

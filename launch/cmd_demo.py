@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from storage.durable import write_atomic
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
@@ -26,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
-    from launch.cmd_train import _evaluate, prepare_run_dir, train
+    from launch.cmd_train import evaluate_split, prepare_run_dir, train
     from launch.model_setup import ModelPathError, resolve_model
 
     extra = list(args.overrides)
@@ -34,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     extra.append(f"run.run_dir={run_dir}")
     if args.steps is not None:
         extra.append(f"run.steps={args.steps}")
+    if args.eval_tasks is not None:
+        extra.append(f"run.eval_tasks={args.eval_tasks}")
     try:
         cfg = load_config(args.config, extra)
         print("[1/4] tiny model + warm-start (cached after the first run)", file=sys.stderr)
@@ -42,15 +46,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"treeopsd demo: {e}", file=sys.stderr)
         return 2
     prepare_run_dir(cfg, resume=False)
-    args.no_progress = False
     print("[2/4] evaluating the warm-started model", file=sys.stderr)
-    before = _evaluate(cfg, model_path, args)
+    before = evaluate_split(cfg, model_path)
     print(
         f"[3/4] asynchronous {cfg.algo.method} training on local Ray, {cfg.run.steps} steps", file=sys.stderr
     )
-    summary = train(cfg, model_path)
+    summary = train(cfg, model_path, progress=cfg.logging.progress)
     print("[4/4] evaluating the trained model", file=sys.stderr)
-    after = _evaluate(cfg, summary["checkpoint"], args)
+    after = evaluate_split(cfg, summary["checkpoint"])
     report = {
         "success_before": before["success"],
         "success_after": after["success"],
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         "tensorboard": f"tensorboard --logdir {Path(run_dir, 'tb').resolve()} --host 127.0.0.1",
         "checkpoint": summary["checkpoint"],
     }
-    Path(run_dir, "demo.json").write_text(json.dumps(report, indent=2))
+    write_atomic(Path(run_dir, "demo.json"), json.dumps(report, indent=2).encode())
     print(json.dumps(report, indent=2))
     print(
         f"\nsuccess (greedy, {before['n']} held-out questions): "

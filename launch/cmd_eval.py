@@ -75,7 +75,7 @@ def evaluate(
 
     from actors.agent_loop import Episode, run_episodes
     from actors.chat import ChatFormat
-    from actors.sampler_worker import loop_limits
+    from actors.sampler_setup import loop_limits
     from launch.model_setup import build_policy, load_tokenizer
     from system.tree_build import TreeBuilder
 
@@ -169,7 +169,7 @@ def take(tasks: Sequence[Any], limit: int | None) -> list[Any]:
 
 def eval_sets(cfg: Any, data: Sequence[str]) -> list[tuple[str, Any, list[Any]]]:
     """(label, env, tasks) per dataset: the config's eval split, or one per `--data` file."""
-    from actors.sampler_worker import build_env, load_split
+    from actors.sampler_setup import build_env, load_split
 
     if cfg.env.name == "synthetic_kb":
         if data:
@@ -223,7 +223,7 @@ def _load_file(cfg: Any, path: str, shared: dict[str, Any]) -> tuple[str, Any, l
 
 def _corpus_env(cfg: Any, shared: dict[str, Any]) -> Any:
     """The env over `env.corpus`, built once for all --data files."""
-    from actors.sampler_worker import build_env
+    from actors.sampler_setup import build_env
 
     if "env" not in shared:
         try:

@@ -26,6 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from storage.durable import write_atomic
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="experiment spec (configs/paper_table.yaml)")
@@ -193,7 +195,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         )
         body += render_claims(claims)
     fails = "".join(f"\n- failed: {k}: {v}" for k, v in sorted(failed.items()))
-    (out / f"{tag}.md").write_text(head + body + "\n" + fails + f"\n\n![curves]({png.name})\n")
+    write_atomic(out / f"{tag}.md", (head + body + "\n" + fails + f"\n\n![curves]({png.name})\n").encode())
     data = {
         "spec": spec.path,
         "quick": spec.quick,
@@ -203,7 +205,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         "runs": dict(sorted(results.items())),
         "failed": failed,
     }
-    (out / f"{tag}.json").write_text(json.dumps(_no_nan(data), indent=1, sort_keys=True))
+    write_atomic(out / f"{tag}.json", json.dumps(_no_nan(data), indent=1, sort_keys=True).encode())
     print(head + body + fails)
 
 

@@ -4,8 +4,8 @@
     treeopsd rollout --prompts 8 --store /tmp/s sampler.backend=vllm algo.M=2 algo.N=1
     treeopsd rollout --prompts 32 --store /tmp/s --samplers 2 --json
 
-Runs K in-process `SamplerWorker`s (threads; each its own backend, environment and seed stream) with no Ray
-and no learner: each samples `--chunk` prompts at a time and commits them with one `put_raw`, so an
+Runs K in-process samplers (`TreeSampler`, threads; each its own backend, environment and seed stream) with
+no Ray and no learner: each samples `--chunk` prompts at a time and commits them with one `put_raw`, so an
 interrupted run keeps every finished chunk. The model is `model.path`, else the cached warm-started tiny
 model. Tree ids are unique per run (the store's tree count seeds the worker incarnation), so repeated runs
 append to the same store. Prints trees, leaves, tokens and seconds.
@@ -70,17 +70,18 @@ def sample_into(cfg: Any, model: str, store: Any, prompts: int, samplers: int, c
 
     from tqdm.auto import tqdm
 
-    from actors.sampler_worker import SamplerWorker
+    from actors.sampler_setup import build_sampler, sampler_seed
+    from actors.tree_sampler import TreeSampler
     from launch.model_setup import build_policy
 
     incarnation = len(store.tree_ids())  # grows with every run: fresh tree ids and seeds each time
-    workers: list[SamplerWorker] = []
+    workers: list[TreeSampler] = []
     quotas = [prompts // samplers + (i < prompts % samplers) for i in range(samplers)]
     totals = {"trees": 0, "leaves": 0, "turns": 0, "sampled_tokens": 0, "reward_sum": 0.0}
     lock = threading.Lock()
     bar = tqdm(total=prompts, desc="rollout", unit="prompt", disable=not cfg.logging.progress)
 
-    def work(worker: SamplerWorker, quota: int) -> None:
+    def work(worker: TreeSampler, quota: int) -> None:
         while quota > 0:
             n = min(chunk, quota)
             trees = worker.sample(n)
@@ -93,9 +94,8 @@ def sample_into(cfg: Any, model: str, store: Any, prompts: int, samplers: int, c
     t0 = time.perf_counter()
     try:
         for i in range(samplers):
-            seed = cfg.run.seed * 1000 + i * 17 + incarnation * 7919  # SamplerWorker's own seed stream
-            backend = build_policy(cfg, model, seed=seed)
-            workers.append(SamplerWorker(cfg, model, i, incarnation, backend=backend))
+            backend = build_policy(cfg, model, seed=sampler_seed(cfg, i, incarnation))
+            workers.append(build_sampler(cfg, model, i, incarnation, backend=backend))
         t0 = time.perf_counter()  # seconds = sampling and commits, not engine/env start-up
         if samplers == 1:
             work(workers[0], quotas[0])  # no thread: plain tracebacks

@@ -11,8 +11,9 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
+
+from storage.durable import write_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +30,7 @@ def request_scale(run_dir: str | os.PathLike, samplers: int) -> dict:
     if samplers < 1:
         raise ValueError(f"--samplers must be >= 1, got {samplers}")
     control = {"samplers": samplers, "seq": int((read_control(run) or {}).get("seq", 0)) + 1}
-    fd, tmp = tempfile.mkstemp(dir=run, prefix=".control-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(control, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run / CONTROL_FILE)  # the driver never reads a half-written request
+    write_atomic(run / CONTROL_FILE, json.dumps(control).encode(), unique=True)  # never read half-written
     return control
 
 

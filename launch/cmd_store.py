@@ -50,7 +50,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from storage.replay_store import verify_store
+    from storage.store_verify import verify_store
 
     result = verify_store(args.directory)
     for line in result.errors:

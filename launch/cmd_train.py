@@ -38,6 +38,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
         extra.append(f"run.run_dir={args.run_dir}")
     if getattr(args, "sync", False):
         extra.append("run.mode=sync")
+    if getattr(args, "no_progress", False):
+        extra.append("logging.progress=false")
+    if getattr(args, "eval_tasks", None) is not None:
+        extra.append(f"run.eval_tasks={args.eval_tasks}")
     return load_config(args.config, extra)
 
 
@@ -46,6 +50,7 @@ def prepare_run_dir(cfg: Any, resume: bool) -> Path:
     import yaml
 
     from configs.schema import to_dict
+    from storage.durable import write_atomic
 
     run_dir = Path(cfg.run.run_dir)
     has_run = (run_dir / "config.yaml").exists()
@@ -54,7 +59,7 @@ def prepare_run_dir(cfg: Any, resume: bool) -> Path:
     if resume and not has_run:
         raise SystemExit(f"treeopsd train: --resume given but {run_dir} holds no run (no config.yaml)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
     return run_dir
 
 
@@ -64,14 +69,15 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
     from tqdm.auto import tqdm
 
     from launch.ray_run import Driver, init_ray, start_topology, stop_topology
-    from storage.metrics import TensorboardSink
+    from storage.durable import write_atomic
+    from storage.metrics import NullSink, TensorboardSink
 
     run_dir = Path(cfg.run.run_dir)
     init_ray(cfg)
-    sink = TensorboardSink(run_dir / "tb")
+    sink = TensorboardSink(run_dir / "tb") if cfg.logging.tensorboard else NullSink()
     topo = start_topology(cfg, model_path, resume)
     try:
-        with tqdm(total=cfg.run.steps, desc="train", unit="step", disable=not progress) as bar:
+        with tqdm(total=cfg.run.steps, desc=cfg.run.name, unit="step", disable=not progress) as bar:
             driver = Driver(cfg, topo, sink, bar)
             bar.update(driver.step)
             summary = driver.run(cfg.run.steps)
@@ -80,8 +86,9 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
     finally:
         stop_topology(topo)
         sink.close()
-    summary.update({"run_dir": str(run_dir), "tensorboard": str(run_dir / "tb"), "mode": cfg.run.mode})
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    tb = str(run_dir / "tb") if cfg.logging.tensorboard else None
+    summary.update({"name": cfg.run.name, "run_dir": str(run_dir), "tensorboard": tb, "mode": cfg.run.mode})
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str).encode())
     return summary
 
 
@@ -91,27 +98,27 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
-        model_path = resolve_model(cfg, progress=not args.no_progress)
+        model_path = resolve_model(cfg, progress=cfg.logging.progress)
     except (ConfigError, ModelPathError) as e:
         print(f"treeopsd train: {e}", file=sys.stderr)
         return 2
     prepare_run_dir(cfg, args.resume)
-    before = _evaluate(cfg, model_path, args) if args.eval else None
+    before = evaluate_split(cfg, model_path) if args.eval else None
     try:
-        summary = train(cfg, model_path, resume=args.resume, progress=not args.no_progress)
+        summary = train(cfg, model_path, resume=args.resume, progress=cfg.logging.progress)
     except ConfigError as e:  # e.g. a pool that no node of the cluster provides
         print(f"treeopsd train: {e}", file=sys.stderr)
         return 2
     if args.eval:
-        summary["eval_before"], summary["eval_after"] = before, _evaluate(cfg, summary["checkpoint"], args)
+        summary["eval_before"], summary["eval_after"] = before, evaluate_split(cfg, summary["checkpoint"])
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
 
-def _evaluate(cfg: Any, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    from actors.sampler_worker import build_env, load_split
+def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
+    from actors.sampler_setup import build_env, load_split
     from launch.cmd_eval import evaluate, take
 
     env = build_env(cfg)
-    tasks = take(load_split(cfg, "eval", env), args.eval_tasks or cfg.run.eval_tasks)
-    return evaluate(cfg, model_path, tasks, env, progress=not args.no_progress)
+    tasks = take(load_split(cfg, "eval", env), cfg.run.eval_tasks)
+    return evaluate(cfg, model_path, tasks, env, progress=cfg.logging.progress)

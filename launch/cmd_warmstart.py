@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"treeopsd warmstart: {e}", file=sys.stderr)
         return 2
-    from actors.sampler_worker import build_env, load_split
+    from actors.sampler_setup import build_env, load_split
     from launch.cmd_eval import evaluate, take
     from launch.model_setup import warm_start_tiny
 

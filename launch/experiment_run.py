@@ -44,7 +44,7 @@ def run_one(
 ) -> dict[str, Any]:
     """Train (unless the row is evaluation-only) and evaluate; returns and writes result.json."""
     _threads()
-    from actors.sampler_worker import build_env, load_split
+    from actors.sampler_setup import build_env, load_split
     from launch.cmd_eval import evaluate, take
     from launch.experiment import load_spec, resolved_config
     from launch.local_run import build_local_run

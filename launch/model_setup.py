@@ -40,9 +40,12 @@ def check_model_path(path: str | Path, what: str = "model.path") -> str:
 def tiny_model_dir(cfg: Config, steps: int | None = None, models_dir: str | Path | None = None) -> Path:
     """Cache folder of the warm-started tiny model for these settings (it may not exist yet), in
     `models_dir` (default: beside the run directory)."""
-    from actors.policy.warmstart import RECIPE_VERSION
+    from actors.policy.warmstart import DEFAULT_DIMS, RECIPE_VERSION
 
-    settings = {"recipe": RECIPE_VERSION, "steps": steps or cfg.model.warmstart_steps, "seed": cfg.run.seed}
+    settings: dict[str, Any] = {"recipe": RECIPE_VERSION, "steps": steps or cfg.model.warmstart_steps}
+    settings["seed"] = cfg.run.seed
+    if (dims := cfg.model.tiny.model_dump()) != DEFAULT_DIMS:
+        settings["dims"] = dims  # the default model keeps its cache folder
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     return Path(models_dir or Path(cfg.run.run_dir).parent / "models") / f"tiny-{digest}"
 
@@ -65,7 +68,10 @@ def warm_start_tiny(
     if cfg.env.name != "synthetic_kb" or cfg.env.seed != 0:
         # The warm-start's SFT data is the default synthetic KB; other tasks still run, just unprimed.
         log.warning("the tiny model is warm-started on the default synthetic KB (env.seed 0) only")
-    report = warmstart(out, steps=steps, seed=cfg.run.seed, progress=progress, threads=cfg.model.threads)
+    dims = cfg.model.tiny.model_dump()
+    report = warmstart(
+        out, steps=steps, seed=cfg.run.seed, progress=progress, threads=cfg.model.threads, dims=dims
+    )
     return {**report, "model_dir": str(out)}
 
 
@@ -79,8 +85,8 @@ def resolve_model(cfg: Config, progress: bool = True, models_dir: str | Path | N
 
 
 def build_policy(cfg: Config, model_path: str, seed: int | None = None, greedy: bool = False) -> Any:
-    """The configured policy backend (HF or vLLM) for commands; see `actors.sampler_worker.build_backend`."""
-    from actors.sampler_worker import build_backend
+    """The configured policy backend (HF or vLLM) for commands; see `actors.sampler_setup.build_backend`."""
+    from actors.sampler_setup import build_backend
 
     return build_backend(cfg, model_path, greedy=greedy, seed=seed)
 

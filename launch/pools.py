@@ -86,31 +86,16 @@ def check_pools(cfg: Config) -> None:
             )
 
 
-def actor_nodes(alive_only: bool = True, fallback: bool = True) -> dict[str, list[str]]:
-    """{actor class name: [node id of each actor, ...]} through Ray's state API (`ray.util.state`).
+def actor_nodes(alive_only: bool = True) -> dict[str, list[str]]:
+    """{actor class name: [node id of each actor, ...]} through Ray's state API (`ray.util.state`, served by
+    the dashboard that `ray[default]` brings)."""
+    from ray.util.state import list_actors
 
-    The state API is served by the dashboard, which needs `ray[default]`; without it (or on a head started
-    with --include-dashboard=false) `fallback=True` reads the same facts from the GCS actor table instead,
-    and `fallback=False` raises.
-    """
-    try:
-        from ray.util.state import list_actors
-
-        filters = [("state", "=", "ALIVE")] if alive_only else None
-        actors = list_actors(
-            address=ray.get_runtime_context().gcs_address, filters=filters, limit=10_000, timeout=30
-        )
-        rows = [(a.class_name, a.node_id) for a in actors]
-    except Exception as e:
-        if not fallback:
-            raise
-        log.warning("Ray state API unavailable (%s); reading the GCS actor table instead", e)
-        table = ray._private.state.actors().values()
-        rows = [
-            (a["ActorClassName"], a["Address"]["NodeID"])
-            for a in table
-            if not alive_only or a["State"] == "ALIVE"
-        ]
+    filters = [("state", "=", "ALIVE")] if alive_only else None
+    actors = list_actors(
+        address=ray.get_runtime_context().gcs_address, filters=filters, limit=10_000, timeout=30
+    )
+    rows = [(a.class_name, a.node_id) for a in actors]
     out: dict[str, list[str]] = {}
     for class_name, node_id in rows:
         out.setdefault(class_name, []).append(node_id)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from storage.durable import write_atomic
 
 
 def _git(*cmd: str) -> str | None:
@@ -40,7 +41,5 @@ def now() -> str:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Temp file then rename: a reader sees the old file or the whole new one."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=float))
-    os.replace(tmp, path)
+    """Durably (storage/durable.py): a reader sees the old file or the whole new one."""
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=float).encode())

@@ -1,8 +1,12 @@
 """The Ray topology: store actor, N sampler actors (FaultTolerantActorManager), backup actor, learner actor.
 
-    samplers ──put_raw──▶ store ◀──take_raw/put_credited── backup
+    samplers ──put_raw──▶ store ◀──lease_raw/put_credited── backup
         ▲                   │ take_batch (fixed B trees, exactly once)
         └── ZeroMQ weights ◀┴── learner ── checkpoint (weights, optimizer, RNG, store watermark)
+
+The actors are the role classes themselves (`ray.remote` applied here): `ReplayStore`, `TreeSampler` (via
+its shell `SamplerActor`), `BackupWorker`, `Learner` (via `LearnerActor`); each gets a `RemoteStore` client
+at construction, so the step sequence they run is the one `launch/local_run.py` runs in one process.
 
 The driver only schedules calls and moves metrics to tensorboard; data goes actor to actor (trees as Arrow
 IPC bytes through the object store, weights over ZeroMQ). Asynchronous by default: samplers run ahead of
@@ -24,13 +28,13 @@ import ray
 from ray.rllib.utils.actor_manager import FaultTolerantActorManager
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from actors.backup_actor import BackupActor
+from actors.backup_worker import BackupWorker
 from actors.sampler_actor import SamplerActor
 from configs.schema import Config, to_dict
 from launch.pools import check_pools
 from learner.learner_actor import LearnerActor
-from storage.metrics import TensorboardSink
-from storage.replay_store_actor import start_store_actor
+from storage.replay_store_actor import RemoteStore, start_store_actor
+from system.interfaces import MetricsSink
 
 log = logging.getLogger(__name__)
 CONTROL_FILE = "control.json"
@@ -92,7 +96,7 @@ class Topology:
 def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topology:
     check_pools(cfg)  # a pool no node provides fails here, before any actor starts
     data = to_dict(cfg)
-    store = start_store_actor(cfg.store_dir, eta=cfg.store.eta, batch_size=cfg.learner.batch_trees)
+    store = start_store_actor(cfg.store_dir, eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees)
     learner = (
         ray.remote(LearnerActor)
         .options(**role_options(cfg, "learner"))
@@ -100,7 +104,8 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
     )
     endpoint, key = ray.get(learner.endpoint.remote())
     sampler_cls = ray.remote(max_restarts=cfg.sampler.max_restarts)(SamplerActor)
-    backup = ray.remote(BackupActor).options(**role_options(cfg, "backup")).remote(data, store)
+    backup_cls = ray.remote(BackupWorker).options(**role_options(cfg, "backup"))
+    backup = backup_cls.remote(RemoteStore(store), cfg.algo)
     args = (data, model_path, store, endpoint, key)
     topo = Topology(store, learner, backup, FaultTolerantActorManager([], 1), sampler_cls, args)
     scale_samplers(topo, cfg, cfg.sampler.num_samplers)
@@ -137,10 +142,10 @@ def read_control(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 class Driver:
     """Schedules the roles until the learner has done `steps` steps (or the time limit passes)."""
 
-    def __init__(self, cfg: Config, topo: Topology, sink: TensorboardSink, progress=None) -> None:
+    def __init__(self, cfg: Config, topo: Topology, sink: MetricsSink, progress=None) -> None:
         self.cfg, self.topo, self.sink, self.progress = cfg, topo, sink, progress
         self.metrics = MetricsLogger()
-        self.step = int(ray.get(topo.learner.progress.remote())["step"])
+        self.step = int(ray.get(topo.learner.progress.remote())["version"])  # one step, one version
         self.target = self.step
         self.sampler_failures = 0
         self.sampler_metrics: dict[int, dict[str, float]] = {}  # latest snapshot per sampler
@@ -189,11 +194,14 @@ class Driver:
             self.retiring |= set(scale_samplers(self.topo, self.cfg, n, frozenset(self.retiring)))
 
     def _tick_samplers(self) -> None:
-        sync = self.cfg.run.mode == "sync" or self.cfg.store.eta == 0
+        """One `sample_and_commit` in flight per active sampler (tagged by actor id, so the driver can tell
+        when a retiring one has none left)."""
+        sync = self.cfg.admission_eta == 0
         kwargs = {"n": self.cfg.sampler.prompts_per_request, "min_version": self.step if sync else 0}
-        active = [i for i in self.topo.manager.healthy_actor_ids() if i not in self.retiring]
-        if active:
-            self.topo.manager.foreach_actor_async("sample_and_push", kwargs=kwargs, remote_actor_ids=active)
+        manager = self.topo.manager
+        for i in manager.healthy_actor_ids():
+            if i not in self.retiring and manager.num_outstanding_async_reqs(_tag(i)) == 0:
+                manager.foreach_actor_async("sample_and_commit", _tag(i), kwargs=kwargs, remote_actor_ids=[i])
         self._collect_samplers()
 
     def finish_retiring(self, timeout_s: float = 300.0) -> bool:
@@ -218,7 +226,7 @@ class Driver:
     def _retire_idle(self) -> None:
         """Removes retiring samplers once their last call has returned (its trees are committed)."""
         for actor_id in list(self.retiring):
-            if self.topo.manager._remote_actor_states[actor_id].get_num_in_flight_requests() == 0:
+            if self.topo.manager.num_outstanding_async_reqs(_tag(actor_id)) == 0:
                 ray.kill(self.topo.manager.remove_actor(actor_id), no_restart=True)
                 self.retiring.discard(actor_id)
                 self.sampler_metrics.pop(actor_id, None)
@@ -228,7 +236,7 @@ class Driver:
         if ref is None or ray.wait([ref], timeout=0)[0]:
             if ref is not None:
                 ray.get(ref)
-            self.topo.refs["backup"] = self.topo.backup.run_once.remote(64)
+            self.topo.refs["backup"] = self.topo.backup.run_once.remote(64, 0.2)
 
     def _tick_learner(self) -> None:
         ref = self.topo.refs.get("learner")
@@ -236,7 +244,7 @@ class Driver:
             return
         out = ray.get(ref) if ref is not None else None
         if out is not None:
-            self.step += 1
+            self.step = int(out["learner/version"])
             self.sink.log(out, self.step)
             self.sink.histogram("store/version_lag", ray.get(self.topo.learner.pop_lags.remote()), self.step)
             if self.progress is not None:
@@ -244,7 +252,8 @@ class Driver:
                 self.progress.set_postfix(
                     reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
                 )
-        self.topo.refs["learner"] = self.topo.learner.train_step.remote() if self.step < self.target else None
+        more = self.step < self.target
+        self.topo.refs["learner"] = self.topo.learner.train_step.remote(0.05) if more else None
 
     def flush(self) -> None:
         """Role metrics → MetricsLogger (sum of counters / mean of rates across samplers) → tensorboard."""
@@ -264,6 +273,10 @@ class Driver:
         self.sink.log({k: v for k, v in values.items() if v == v}, self.step)
         self.sink.flush()
         self.last_flush = time.perf_counter()
+
+
+def _tag(actor_id: int) -> str:
+    return f"sampler-{actor_id}"
 
 
 def _store_metrics(stats: dict[str, Any]) -> dict[str, float]:

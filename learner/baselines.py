@@ -1,4 +1,4 @@
-"""Baseline losses and advantages: GRPO, GSPO and TreePO-style (algorithm.md §8). Pure torch / numpy.
+"""Baseline losses and advantages: GRPO, GSPO and TreePO-style (docs/algorithm.md §8). Pure torch / numpy.
 
 Losses return ``(loss, stats)`` with detached python-float stats; nothing logs. Shapes:
 
@@ -79,21 +79,35 @@ def ppo_clip_loss(
     adv = torch.where(m, advantages.detach().to(dtype), 0.0)
     log_ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
+    loss, stats = _clipped_objective(ratio, adv, m, (clip_low, clip_high), z_total)
+    n = stats.pop("n")
+    with torch.no_grad():
+        k3 = float(torch.where(m, ratio - 1.0 - log_ratio, 0.0).sum()) / max(n, 1.0)
+    return loss, {**stats, "approx_kl": k3, "num_tokens": n}
+
+
+def _clipped_objective(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    on: torch.Tensor,
+    clip: tuple[float, float],
+    z_total: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """−(1/Z) Σ_on min(r A, clip(r, 1−ε_lo, 1+ε_hi) A), Z = the count of `on` unless `z_total` overrides it;
+    stats: clip_frac, ratio_mean (over `on`) and n (the count)."""
     unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    obj = torch.where(m, torch.minimum(unclipped, clipped), 0.0)
-    n = float(m.sum())
-    z = torch.as_tensor(n if z_total is None else z_total, dtype=dtype, device=logp.device)
+    clipped = ratio.clamp(1.0 - clip[0], 1.0 + clip[1]) * adv
+    obj = torch.where(on, torch.minimum(unclipped, clipped), 0.0)
+    n = float(on.sum())
+    z = torch.as_tensor(n if z_total is None else z_total, dtype=ratio.dtype, device=ratio.device)
     loss = -obj.sum() / torch.where(z > 0, z, torch.ones_like(z))
     with torch.no_grad():
         denom = max(n, 1.0)
-        stats = {
-            "clip_frac": float(((clipped < unclipped) & m).sum()) / denom,
-            "ratio_mean": float(torch.where(m, ratio, 0.0).sum()) / denom,
-            "approx_kl": float(torch.where(m, ratio - 1.0 - log_ratio, 0.0).sum()) / denom,
-            "num_tokens": n,
+        return loss, {
+            "clip_frac": float(((clipped < unclipped) & on).sum()) / denom,
+            "ratio_mean": float(torch.where(on, ratio, 0.0).sum()) / denom,
+            "n": n,
         }
-    return loss, stats
 
 
 def grpo_loss(
@@ -168,21 +182,9 @@ def gspo_loss(
     log_ratio = mean_lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = torch.where(active, advantages_per_seq.detach().to(dtype), 0.0)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    obj = torch.where(active, torch.minimum(unclipped, clipped), 0.0)
-    n = float(active.sum())
-    z = torch.as_tensor(n if z_total is None else z_total, dtype=dtype, device=logp.device)
-    loss = -obj.sum() / torch.where(z > 0, z, torch.ones_like(z))
-    with torch.no_grad():
-        denom = max(n, 1.0)
-        stats = {
-            "clip_frac": float(((clipped < unclipped) & active).sum()) / denom,
-            "ratio_mean": float(torch.where(active, ratio, 0.0).sum()) / denom,
-            "num_seqs": n,
-            "nonfinite_tokens": float((in_loss & ~ok).sum()),
-        }
-    return loss, stats
+    loss, stats = _clipped_objective(ratio, adv, active, (clip_low, clip_high), z_total)
+    n = stats.pop("n")
+    return loss, {**stats, "num_seqs": n, "nonfinite_tokens": float((in_loss & ~ok).sum())}
 
 
 def treepo_advantages(

@@ -14,8 +14,8 @@ Attention for a tree-packed batch, `attention=`:
   0 / dtype-min) and the depth-based `position_ids`. transformers 5.19 hands a 4D mask to the attention
   function unchanged (`masking_utils._preprocess_mask_arguments` returns early for any 4D tensor); "eager"
   adds it to the scores, "sdpa" passes it as `attn_mask`, and both give path-by-path logits
-  (feasibility.md §7: 2.2e-16 in float64; a *boolean* 4D mask broke eager). Flash-attention kernels take no
-  arbitrary mask: do not use them here.
+  (docs/design.md §10.12: 2.2e-16 in float64; a *boolean* 4D mask broke eager). Flash-attention kernels take
+  no arbitrary mask: do not use them here.
 
 Both give the same numbers for any batch (tests/unit/test_packing.py).
 Path rows are right-padded plain causal sequences: real tokens never see the padding, so no mask is needed.

@@ -1,9 +1,10 @@
-"""The learner: one fixed rollout batch per step, sequential mini-batches, one optimizer step each (no Ray).
+"""The learner role: one fixed rollout batch per step, sequential mini-batches, one optimizer step each
+(no Ray; on Ray, learner/learner_actor.py is this class plus a few methods).
 
-Data flow (architecture.md "Data flows one way")::
+Data flow (docs/design.md §1)::
 
-    take batch ── B credited trees (the caller: store.take_batch)
-        │  Learner.step(trees)
+    train_step  take batch ── B credited trees (store.take_batch, recorded as batch k = store.watermark())
+        │  step(trees)
         ▼
     select      zero_var_trees=drop (and TreePO's filter_zero_std) drop trees whose leaf rewards are all equal
     advantages  GRPO/GSPO: standardized leaf reward, group = tree;  TreePO: per-leaf Â, whitened over the
@@ -13,15 +14,17 @@ Data flow (architecture.md "Data flows one way")::
     μ           stored sampler log-probs, or recomputed here at θ_old (behavior_logprobs=recompute)
     loop        for epoch, mini-batch: forward (tree-packed or path-by-path) → loss → backward → clip → AdamW
         ▼
-    publish     version += 1; named_weights() → the weight publisher (the caller)
+    publish     version += 1; named_weights() → the weight source; the store learns the new version
+    checkpoint  every `learner.checkpoint_every` steps: weights, optimizer, RNG, version and the watermark
     log         the returned dict of `learner/...` floats → the metrics sink (the caller)
 
+The step count is the version: one step, one version (a resumed run restores it with the checkpoint).
 Run it in-process::
 
-    learner = Learner(model, load_config("configs/default.yaml"))
-    stats = learner.step(trees)             # one rollout batch
-    weights = learner.named_weights()       # detached CPU copies for the broadcast
-    learner.save(run_dir, step, extra={"watermark": w})   # storage.checkpoint
+    learner = Learner(model, cfg, store=store, weights=channel)
+    learner.start(resume=False)             # publishes version 0 (or restores the newest checkpoint)
+    stats = learner.train_step()            # None until B credited trees wait in the store
+    stats = learner.step(trees)             # the training part alone, on any trees
 
 Mismatch (`learner/mismatch_kl`): over the owned loss tokens, the mean of stored − learner log-prob, i.e. the
 k1 estimate of KL(μ_sampler ‖ π_learner), and `learner/mismatch_kl_k3` = mean(r − 1 − log r) with
@@ -34,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -42,11 +45,14 @@ from torch import nn
 
 from configs.schema import Config
 from learner.baselines import grpo_advantages, masked_whiten, treepo_advantages
+from learner.diagnostics import mismatch_sums, summarize_minibatches, turn_diagnostics
 from learner.forward import token_logprobs
 from learner.losses import grpo_loss, gspo_loss, treeopsd_loss, treepo_loss
 from learner.packing import PackedBatch, pack_paths, pack_trees
 from storage.checkpoint import Checkpoint, load_latest, save_checkpoint
-from system.backup import is_zero_variance
+from system.credit import is_zero_variance
+from system.interfaces import StoreClient, WeightSource
+from system.staleness import batch_metrics, version_lags
 from system.tree import RolloutTree, check_nonfinite_fraction
 
 
@@ -65,14 +71,66 @@ class Learner:
         cfg: Config,
         optimizer: torch.optim.Optimizer | None = None,
         attention: Literal["tree", "mask"] = "tree",
+        *,
+        store: StoreClient | None = None,
+        weights: WeightSource | None = None,
+        tokenizer: Any = None,
     ):
         self.model, self.cfg, self.attention = model, cfg, attention
+        self.store, self.weights, self.tokenizer = store, weights, tokenizer
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
         )
         self.version = 0
+        self.wait_s = 0.0
+        self.lag_history: list[int] = []  # per-tree version lags since the last pop, for the histogram
         # Dropout off: the first mini-batch then runs exactly at θ_old (s ≡ 0 with recomputed μ).
         self.model.eval()
+
+    # ---- the role ---------------------------------------------------------------------------------
+    def start(self, resume: bool = False) -> Checkpoint | None:
+        """Restores the newest checkpoint when resuming (and rewinds the store to its watermark, so no batch
+        is trained twice and none skipped), then publishes the current weights."""
+        ckpt = self.restore(self.cfg.run.run_dir) if resume else None
+        if ckpt is not None and self.store is not None:
+            self.store.rewind_to(int(ckpt.extra["watermark"]))
+        self._publish()
+        return ckpt
+
+    def train_step(self, idle_sleep_s: float = 0.0) -> dict[str, float] | None:
+        """Take a batch → train → publish → checkpoint. None (after `idle_sleep_s`) when B credited trees are
+        not there yet."""
+        assert self.store is not None, "train_step needs a store (Learner(..., store=...))"
+        t0 = time.perf_counter()
+        batch_index = self.store.watermark()  # the id take_batch records this batch under
+        trees = self.store.take_batch(self.cfg.learner.batch_trees)
+        if trees is None:
+            time.sleep(idle_sleep_s)  # back off instead of spinning a remote store
+            self.wait_s += time.perf_counter() - t0
+            return None
+        self.lag_history.extend(version_lags(trees, self.version).tolist())
+        metrics = {**batch_metrics(trees, self.version), **self.step(trees)}
+        metrics["weights/publish_s"] = self._publish()
+        if self.version % self.cfg.learner.checkpoint_every == 0:
+            self.save(self.cfg.run.run_dir)
+        busy = time.perf_counter() - t0
+        metrics.update({"learner/wait_for_batch_s": self.wait_s, "learner/batch_index": float(batch_index)})
+        metrics["learner/idle_ratio"] = self.wait_s / max(self.wait_s + busy, 1e-9)
+        metrics["learner/step"] = float(self.version)
+        self.wait_s = 0.0
+        return metrics
+
+    def _publish(self) -> float:
+        t0 = time.perf_counter()
+        if self.weights is not None:
+            self.weights.publish(self.named_weights(), self.version)
+        if self.store is not None:
+            self.store.set_learner_version(self.version)
+        return time.perf_counter() - t0
+
+    def pop_lags(self) -> list[int]:
+        lags, self.lag_history = self.lag_history, []
+        return lags
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
@@ -94,7 +152,7 @@ class Learner:
                 first = epoch == 0 and j == 0 and self.cfg.algo.behavior_logprobs == "sampler"
                 per_mb.append(self._train_minibatch(packed, adv[j], measure_mismatch=first))
         self.version += 1
-        stats.update(_summarize(per_mb))
+        stats.update(summarize_minibatches(per_mb))
         stats.update({"learner/step_s": time.perf_counter() - t0, "learner/version": float(self.version)})
         return stats
 
@@ -123,7 +181,7 @@ class Learner:
         with torch.no_grad():
             for packed in batches:
                 logp = token_logprobs(self.model, packed, self.attention).cpu()
-                a, b, c = _mismatch(packed, logp)
+                a, b, c = mismatch_sums(packed, logp)
                 k1, k3, n = k1 + a, k3 + b, n + c
                 out.append(packed.with_behavior_logp(logp))
         stats["learner/mismatch_kl"] = k1 / max(n, 1)
@@ -167,9 +225,9 @@ class Learner:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         self.optimizer.step()
         st.update(loss=float(loss.detach()), grad_norm=float(norm), tokens=float(packed.num_tokens))
-        st.update(_diagnostics(packed, logp.detach().cpu()))
+        st.update(turn_diagnostics(packed, logp.detach().cpu()))
         if measure_mismatch:
-            a, b, n = _mismatch(packed, logp.detach().cpu())
+            a, b, n = mismatch_sums(packed, logp.detach().cpu())
             st.update(mismatch_kl=a / max(n, 1), mismatch_kl_k3=b / max(n, 1))
         return st
 
@@ -204,10 +262,17 @@ class Learner:
         """The model's live state dict (shares storage with the parameters)."""
         return self.model.state_dict()
 
-    def save(self, run_dir: str | Path, step: int, extra: dict | None = None, tokenizer=None) -> Path:
+    def save(
+        self, run_dir: str | Path, step: int | None = None, extra: dict | None = None, tokenizer: Any = None
+    ) -> Path:
+        """A checkpoint of this step (by default the version) with `extra` (by default the store's watermark:
+        the batches trained so far, which a resume rewinds the store to)."""
+        if extra is None:
+            extra = {"watermark": self.store.watermark() if self.store is not None else self.version}
         return save_checkpoint(
-            run_dir, step, self.model, self.optimizer, version=self.version, extra=extra, tokenizer=tokenizer
-        )
+            run_dir, self.version if step is None else step, self.model, self.optimizer,
+            version=self.version, extra=extra, tokenizer=tokenizer or self.tokenizer,
+        )  # fmt: skip
 
     def restore(self, run_dir: str | Path) -> Checkpoint | None:
         """Loads the newest valid checkpoint into model, optimizer and RNGs; None if there is none."""
@@ -216,49 +281,3 @@ class Learner:
             ckpt.restore(self.model, self.optimizer)
             self.version = ckpt.version
         return ckpt
-
-
-def _mismatch(packed: PackedBatch, logp: torch.Tensor) -> tuple[float, float, int]:
-    """(Σ k1, Σ k3, n) over owned loss tokens with finite μ: k1 = log μ − log π, k3 = r − 1 − log r."""
-    on = packed.owned & packed.effective_mask
-    d = (logp[on] - packed.behavior_logp[on]).double()  # log r = log π − log μ
-    return float((-d).sum()), float((torch.expm1(d) - d).sum()), int(on.sum())
-
-
-def _diagnostics(packed: PackedBatch, logp: torch.Tensor) -> dict[str, float]:
-    """TreeOPSD's per-turn view for every method: mean |s|, overshoot fraction, KL to the teacher."""
-    on = packed.owned & (packed.turn_ids >= 0)
-    turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
-    _, st = treeopsd_loss(logp.flatten(), packed.behavior_logp.flatten(), turn_ids, packed.q)
-    keys = ["mean_abs_s", "max_abs_s", "num_tokens", "nonfinite_tokens"]
-    if packed.credited:  # relative to a teacher only when there is one (baselines may skip the backup)
-        keys += ["overshoot_frac", "kl_to_target"]
-    return {k: st[k] for k in keys}
-
-
-def _summarize(per_mb: list[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for k, st in enumerate(per_mb):
-        for key in ("loss", "mean_abs_s", "overshoot_frac", "kl_to_target", "grad_norm", "clip_frac"):
-            if key in st:
-                out[f"learner/mb{k}/{key}"] = st[key]
-        for key in ("mismatch_kl", "mismatch_kl_k3"):
-            if key in st:
-                out[f"learner/{key}"] = st[key]
-    if not per_mb:
-        return {"learner/loss": 0.0, "learner/grad_norm": 0.0, "learner/tokens": 0.0}
-    n_tok = sum(st["num_tokens"] for st in per_mb)
-    if all("kl_to_target" in st for st in per_mb):
-        kl = sum(st["kl_to_target"] * st["num_tokens"] for st in per_mb) / max(n_tok, 1.0)
-        out["learner/kl_to_target"] = kl
-    out.update(
-        {
-            "learner/loss": float(np.mean([st["loss"] for st in per_mb])),
-            "learner/grad_norm": float(np.mean([st["grad_norm"] for st in per_mb])),
-            "learner/tokens": float(sum(st["tokens"] for st in per_mb)),
-            "learner/loss_tokens": float(n_tok),
-            "learner/max_abs_s": float(max(st["max_abs_s"] for st in per_mb)),
-            "learner/nonfinite_tokens": float(sum(st["nonfinite_tokens"] for st in per_mb)),
-        }
-    )
-    return out

@@ -1,4 +1,4 @@
-"""TreeOPSD loss: per-turn forward KL(Q*||P) to the tree teacher (algorithm.md §5, §6, §10).
+"""TreeOPSD loss: per-turn forward KL(Q*||P) to the tree teacher (docs/algorithm.md §5, §6, §10).
 
 Pure torch. Every function takes flat per-token tensors and returns ``(loss, stats)``; ``stats`` holds
 detached python floats. Nothing here logs, reads files or touches the network.
@@ -145,7 +145,7 @@ def treeopsd_loss(
     teacher_logits: bool = False,
     z_total: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """TreeOPSD loss L = Σ_i ℓ_i KL(q_i || σ(s_i)) / Z over the turns with ℓ_i > 0 (algorithm.md §5).
+    """TreeOPSD loss L = Σ_i ℓ_i KL(q_i || σ(s_i)) / Z over the turns with ℓ_i > 0 (docs/algorithm.md §5).
 
     Args:
         logp: [T] student log-probs of the sampled tokens (gradients flow through this only).
@@ -190,32 +190,41 @@ def treeopsd_loss(
     kl = _kl(q_p, turns.s, s_star if teacher_logits else None)
     kl = kl + (kl.clamp(min=0.0) - kl).detach()
     weighted = torch.where(act, turns.ell * kl, 0.0).sum()
-    num_tokens = float(turns.ell.sum())
-    if z_total is None:
-        z = turns.ell.sum()
-    else:
-        z = torch.as_tensor(z_total, dtype=dtype, device=logp.device)
-        if num_tokens > 0 and not float(z) > 0:
-            raise ValueError(f"z_total must be > 0 when there are loss tokens, got {float(z)}")
+    z = _normalizer(turns.ell, z_total, dtype, logp.device)
     loss = weighted / torch.where(z > 0, z, torch.ones_like(z))
+    return loss, _turn_stats(turns, s_star, float(weighted.detach()), dtype)
 
-    with torch.no_grad():
-        n_act = int(act.sum())
-        s_a, s_star_a = turns.s[act], s_star[act]
-        abs_s = s_a.abs()
-        away = (s_a - s_star_a) * (0.0 - s_star_a) < 0
-        overshot = torch.where(s_star_a == 0, s_a != 0, away)
-        stats = {
-            "mean_abs_s": float(abs_s.mean()) if n_act else 0.0,
-            "max_abs_s": float(abs_s.max()) if n_act else 0.0,
-            "kl_to_target": float(weighted) / num_tokens if num_tokens > 0 else 0.0,
-            "overshoot_frac": float(overshot.to(dtype).mean()) if n_act else 0.0,
-            "num_turns": float(n_act),
-            "num_tokens": num_tokens,
-            "nonfinite_tokens": float(turns.nonfinite_tokens),
-            "nonfinite_turns": float(turns.nonfinite_turns),
-        }
-    return loss, stats
+
+def _normalizer(
+    ell: torch.Tensor, z_total: float | torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Z: Σ ℓ_i of this call, or the caller's global count (micro-batches, ranks)."""
+    if z_total is None:
+        return ell.sum()
+    z = torch.as_tensor(z_total, dtype=dtype, device=device)
+    if float(ell.sum()) > 0 and not float(z) > 0:
+        raise ValueError(f"z_total must be > 0 when there are loss tokens, got {float(z)}")
+    return z
+
+
+@torch.no_grad()
+def _turn_stats(turns: _Turns, s_star: torch.Tensor, weighted: float, dtype: torch.dtype) -> dict[str, float]:
+    act = turns.active
+    n_act, num_tokens = int(act.sum()), float(turns.ell.sum())
+    s_a, s_star_a = turns.s[act], s_star[act]
+    abs_s = s_a.abs()
+    away = (s_a - s_star_a) * (0.0 - s_star_a) < 0
+    overshot = torch.where(s_star_a == 0, s_a != 0, away)
+    return {
+        "mean_abs_s": float(abs_s.mean()) if n_act else 0.0,
+        "max_abs_s": float(abs_s.max()) if n_act else 0.0,
+        "kl_to_target": weighted / num_tokens if num_tokens > 0 else 0.0,
+        "overshoot_frac": float(overshot.to(dtype).mean()) if n_act else 0.0,
+        "num_turns": float(n_act),
+        "num_tokens": num_tokens,
+        "nonfinite_tokens": float(turns.nonfinite_tokens),
+        "nonfinite_turns": float(turns.nonfinite_turns),
+    }
 
 
 def treeopsd_advantages(

@@ -1,6 +1,6 @@
 """Tree packing: every stored token of a rollout tree forwarded once, and the path-by-path reference.
 
-Tree-packed layout of one tree (algorithm.md §2.4, feasibility.md §7)::
+Tree-packed layout of one tree (docs/algorithm.md §2.4, docs/design.md §10.12)::
 
     packed  = [prompt | a_1 o_1 | a_2 o_2 | a'_2 o'_2 | ...]     node segments in topological order
     position_ids[t] = offset of t along its own root-to-t path       (branches restart at the branch point)
@@ -87,7 +87,7 @@ class PackedBatch:
 
     def additive_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """[B, 1, T, T] additive mask: 0 where allowed, the dtype's minimum elsewhere (float, not bool:
-        a boolean 4D mask gives wrong results with eager attention, feasibility.md §7)."""
+        a boolean 4D mask gives wrong results with eager attention, docs/design.md §10.12)."""
         allowed = self.dense_allowed()
         if allowed is None:
             return None

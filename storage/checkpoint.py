@@ -16,9 +16,9 @@ Layout::
 No pickle anywhere (no `torch.save`): these files are read by other processes (the resumed learner, tools,
 vLLM), and unpickling runs arbitrary code. Tensors go to safetensors, everything else to JSON.
 
-Atomicity: everything is written into `checkpoints/.tmp-...`, each file and the directory fsynced, then the
-directory is renamed to `step_k` (rename is atomic on POSIX) and the parent fsynced; only then is `latest`
-replaced (write temp, fsync, os.replace). A crash leaves either the old state or a complete new directory.
+Atomicity (storage/durable.py): everything is written into `checkpoints/.tmp-...`, then `publish_directory`
+fsyncs each file and directory, renames it to `step_k` (atomic on POSIX) and fsyncs the parent; only then is
+`latest` replaced (`write_atomic`). A crash leaves either the old state or a complete new directory.
 Single writer per run_dir (the learner). `load_latest` walks the step directories newest first (it does
 not need the `latest` pointer, so a crash between the rename and the pointer update loses nothing) and
 skips, with a warning, any that fails verification — missing meta.json, a missing/short/changed file — so
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -43,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from storage.durable import publish_directory, write_atomic
 
 FORMAT = 1
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -131,24 +132,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*"), reverse=True):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        else:
-            _fsync_dir(path)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(_to_json(data), indent=1, sort_keys=True))
 
@@ -192,14 +175,12 @@ def save_checkpoint(
         meta = {"format": FORMAT, "step": int(step), "version": int(version), "extra": extra or {}}
         meta.update(rng=rng_rest, files=files, optimizer=optimizer is not None)
         _write_json(tmp / "meta.json", meta)
-        _fsync_tree(tmp)
         final = root / f"step_{step:06d}"
         old = None
         if final.exists():  # the same step saved again (e.g. after a resume): swap, then delete the old one
             old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(root)
+        publish_directory(tmp, final)  # every file fsynced, one rename, the parent fsynced
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -211,13 +192,7 @@ def save_checkpoint(
 
 
 def _point_latest(root: Path, name: str) -> None:
-    tmp = root / f".latest-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / "latest")
-    _fsync_dir(root)
+    write_atomic(root / "latest", (name + "\n").encode(), unique=True)
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:

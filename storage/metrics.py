@@ -1,4 +1,5 @@
-"""Metrics sinks: tensorboard event files (the run's record) and an in-memory twin for tests.
+"""Metrics sinks (system/interfaces.py `MetricsSink`): tensorboard event files (the run's record), an
+in-memory twin for tests, and a sink that drops everything (`logging.tensorboard = false`).
 
 Keys are `role/quantity` (`sampler/tokens_per_s`, `learner/mb0/overshoot_frac`, ...). Non-finite values are
 skipped and counted rather than written, so one NaN does not poison a curve.
@@ -54,6 +55,22 @@ class MemorySink:
 
     def histogram(self, key: str, values, step: int) -> None:
         self.series[key + "/hist_mean"].append((step, float(sum(values) / max(len(values), 1))))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NullSink:
+    """Drops everything (`logging.tensorboard = false`)."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def histogram(self, key: str, values, step: int) -> None:
+        pass
 
     def flush(self) -> None:
         pass

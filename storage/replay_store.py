@@ -14,11 +14,11 @@ Durability contract (what the tests check):
     Present after a crash ⇒ the commit was started; a commit interrupted before its rename leaves only a
     temp file, which the next writable open quarantines. A reader never sees part of a commit.
   * States: raw → credited (a credited copy supersedes the raw one, by tree_id) → consumed.
-  * take_raw leases uncredited trees to one backup for `lease_s` seconds (in memory). A crashed backup's
+  * lease_raw leases uncredited trees to one backup for `lease_s` seconds (in memory). A crashed backup's
     trees come back when the lease expires, on `release_raw`, or on reopen; crediting is idempotent (a
     later credited copy replaces the earlier one and keeps its queue position).
   * take_batch(n): the n oldest credited, unconsumed trees (by first credit commit) are recorded as batch
-    k = consumed_watermark() in consumed.log (fsynced) *before* returning. So after any restart nothing is
+    k = watermark() in consumed.log (fsynced) *before* returning. So after any restart nothing is
     handed out twice. A crash after the record but before the learner trained batch k must not skip it: the
     learner checkpoints the watermark w of batches it has trained and calls `rewind_to(w)` on resume, which
     durably voids batches ≥ w and returns their trees to the queue at their old positions — with the same
@@ -42,18 +42,21 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from storage import store_files as sf
+from storage.durable import write_atomic
 from storage.store_files import Entry, Loc, StoreError
-from storage.tree_codec import decode_trees, encode_trees, flat_columns
-from system.tree import RolloutTree, validate_tree
+from storage.tree_checks import check_trees
+from storage.tree_codec import decode_trees, encode_trees, flat_columns, table_to_ipc
+from system.staleness import admission_capacity
+from system.tree import RolloutTree
 
-__all__ = ["ReplayStore", "StoreError", "VerifyResult", "verify_store"]
+__all__ = ["ReplayStore", "StoreError"]
+Trees = Iterable[RolloutTree] | bytes | bytearray | memoryview  # trees, or their IPC file bytes (encode_ipc)
 
 log = logging.getLogger("treeopsd.store")
 
@@ -76,7 +79,7 @@ class ReplayStore:
         if validate not in ("full", "structure"):
             raise ValueError(f"validate must be 'full' or 'structure', got {validate!r}")
         self.root, self.readonly, self._validate = Path(directory), readonly, validate
-        self._lease_s, self._eta, self._batch_size, self._cache_n = lease_s, eta, batch_size, cache_segments
+        self._lease_s, self._eta, self._batch_size = lease_s, eta, batch_size
         self._mu = threading.RLock()
         self._segments: dict[int, tuple[Path, str, int]] = {}  # seq -> (path, kind, bytes)
         self._raw: dict[str, Loc] = {}
@@ -124,7 +127,7 @@ class ReplayStore:
         if tail:  # an append whose fsync never finished: its take_batch/rewind never returned
             torn = self.root / "consumed.log.torn"
             if not self.readonly:
-                sf.atomic_write_bytes(torn, tail)  # the bytes go to quarantine before the log is cut
+                write_atomic(torn, tail)  # the bytes go to quarantine before the log is cut
             self._problem(path, f"torn last record ({len(tail)} bytes) of an interrupted append", False, torn)
         return good
 
@@ -174,46 +177,56 @@ class ReplayStore:
         if self.readonly or self._log is None:
             raise StoreError(f"{self.root}: store is read-only or closed")
 
-    def _commit(self, kind: str, trees: list[RolloutTree]) -> int:
+    def _prepare(self, kind: str, data: Trees) -> tuple[bytes, list[Entry]]:
+        """(IPC file bytes, index entries) of a commit, checked once: trees are validated and encoded; bytes
+        from a client (`tree_codec.encode_ipc`) are checked in place and kept as they are."""
         self._writable()
+        if isinstance(data, bytes | bytearray | memoryview):
+            return bytes(data), sf.check_ipc(data, self._next_seq, kind, full=self._validate == "full")
+        trees = list(data)
         if not trees:
             raise ValueError("nothing to commit")
-        ids = [t.tree_id for t in trees]
+        for t in trees:
+            if kind == "credited" and t.credit is None:
+                raise ValueError(f"tree {t.tree_id!r}: put_credited needs a tree with credit")
+        batch = encode_trees(trees)
+        f = flat_columns(batch)
+        check_trees(batch, f)  # a tree failing validation never reaches disk
+        return table_to_ipc(batch), sf.batch_entries(self._next_seq, 0, f)
+
+    def _commit(self, kind: str, buf: bytes, entries: list[Entry]) -> int:
+        ids = [e[0] for e in entries]
         if len(set(ids)) != len(ids):
             raise ValueError(f"tree ids repeat within one commit: {sorted(ids)[:5]}")
-        for t in trees:
-            validate_tree(t)  # a tree failing validation never reaches disk
-        batch = encode_trees(trees)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         path = self.root / "segments" / f"{seq:012d}.{kind}.arrow"
-        sf.write_segment(path, batch)
-        self._apply(seq, path, kind, sf.batch_entries(seq, 0, flat_columns(batch)))
+        write_atomic(path, buf)
+        self._apply(seq, path, kind, entries)
         return seq
 
-    def put_raw(self, trees: Iterable[RolloutTree]) -> int:
-        """Commits new trees atomically; returns the segment id. Tree ids must be new to the store."""
-        trees = list(trees)
+    def put_raw(self, trees: Trees) -> int:
+        """Commits new trees (RolloutTrees, or their IPC file bytes) atomically; returns the segment id.
+        Tree ids must be new to the store."""
         with self._mu:
-            old = [t.tree_id for t in trees if t.tree_id in self._summary]
+            buf, entries = self._prepare("raw", trees)
+            old = [e[0] for e in entries if e[0] in self._summary]
             if old:
                 raise ValueError(f"tree ids already in the store: {old[:5]}")
-            seq = self._commit("raw", trees)
-            self._reserved = max(0, self._reserved - len(trees))
+            seq = self._commit("raw", buf, entries)
+            self._reserved = max(0, self._reserved - len(entries))
             return seq
 
-    def put_credited(self, trees: Iterable[RolloutTree]) -> int:
+    def put_credited(self, trees: Trees) -> int:
         """Commits credited copies (tree.credit set); each supersedes the raw copy of the same tree_id.
 
         A tree with no raw copy is accepted too (a pipeline without a backup actor)."""
-        trees = list(trees)
         with self._mu:
-            for t in trees:
-                if t.credit is None:
-                    raise ValueError(f"tree {t.tree_id!r}: put_credited needs a tree with credit")
-                s = self._summary.get(t.tree_id)
-                if s is not None and s.nodes != len(t.nodes):
-                    raise ValueError(f"tree {t.tree_id!r}: {len(t.nodes)} nodes but stored with {s.nodes}")
-            return self._commit("credited", trees)
+            buf, entries = self._prepare("credited", trees)
+            for tid, _, summary in entries:
+                s = self._summary.get(tid)
+                if s is not None and s.nodes != summary.nodes:
+                    raise ValueError(f"tree {tid!r}: {summary.nodes} nodes but stored with {s.nodes}")
+            return self._commit("credited", buf, entries)
 
     # ---- reads --------------------------------------------------------------------------------------
     def _current(self, tid: str) -> Loc:
@@ -237,8 +250,8 @@ class ReplayStore:
             pick = {None: self._summary, "raw": self._uncredited, "credited": self._pending}
             return sorted(self._consumed) if state == "consumed" else list(pick[state])
 
-    def take_raw(self, max_trees: int) -> list[RolloutTree]:
-        """Leases up to max_trees uncredited trees (raw commit order) to the calling backup."""
+    def lease_raw_table(self, max_trees: int) -> pa.Table:
+        """Leases up to max_trees uncredited trees (raw commit order) to the calling backup for `lease_s`."""
         with self._mu:
             now, out = time.monotonic(), []
             for tid in self._uncredited:
@@ -247,7 +260,14 @@ class ReplayStore:
                 if self._leases.get(tid, 0.0) <= now:
                     out.append(tid)
             self._leases.update((t, now + self._lease_s) for t in out)
-            return decode_trees(self._cache.table([self._raw[t] for t in out]), str(self.root)) if out else []
+            return self._cache.table([self._raw[t] for t in out])
+
+    def lease_raw(self, max_trees: int) -> list[RolloutTree]:
+        return decode_trees(self.lease_raw_table(max_trees), str(self.root))
+
+    def lease_raw_ipc(self, max_trees: int) -> bytes:
+        """`lease_raw` as IPC file bytes of the stored rows (for a store served by a Ray actor)."""
+        return table_to_ipc(self.lease_raw_table(max_trees))
 
     def release_raw(self, tree_ids: Iterable[str]) -> None:
         with self._mu:
@@ -255,7 +275,7 @@ class ReplayStore:
                 self._leases.pop(t, None)
 
     def take_batch_ids(self, n: int) -> list[str] | None:
-        """Records batch k = consumed_watermark() durably and returns its tree ids; None if < n credited."""
+        """Records batch k = watermark() durably and returns its tree ids; None if < n credited."""
         if n <= 0:
             raise ValueError(f"batch size must be positive, got {n}")
         with self._mu:
@@ -263,7 +283,7 @@ class ReplayStore:
             if len(self._pending) < n:
                 return None
             ids = list(itertools.islice(self._pending, n))
-            self._log.append({"op": "batch", "k": len(self._batches), "ids": ids})
+            self._log.append({"op": "batch", "k": len(self._batches), "ids": ids})  # type: ignore[union-attr]
             self._batches.append(ids)
             self._consumed.update(ids)
             for t in ids:
@@ -276,10 +296,13 @@ class ReplayStore:
 
     def take_batch(self, n: int) -> list[RolloutTree] | None:
         """A fixed rollout batch of n credited trees, handed out exactly once (see rewind_to)."""
-        table = self.take_batch_table(n)
-        return None if table is None else decode_trees(table, str(self.root))
+        return None if (table := self.take_batch_table(n)) is None else decode_trees(table, str(self.root))
 
-    def consumed_watermark(self) -> int:
+    def take_batch_ipc(self, n: int) -> bytes | None:
+        """`take_batch` as IPC file bytes of its rows (for a store served by a Ray actor)."""
+        return None if (table := self.take_batch_table(n)) is None else table_to_ipc(table)
+
+    def watermark(self) -> int:
         """Batches handed out so far = the id the next take_batch gets. The learner checkpoints this."""
         with self._mu:
             return len(self._batches)
@@ -296,7 +319,7 @@ class ReplayStore:
                 raise ValueError(f"watermark {watermark} outside 0..{len(self._batches)}")
             if watermark == len(self._batches):
                 return 0
-            self._log.append({"op": "rewind", "to": watermark})
+            self._log.append({"op": "rewind", "to": watermark})  # type: ignore[union-attr]
             back = [t for ids in self._batches[watermark:] for t in ids]
             del self._batches[watermark:]
             self._consumed.difference_update(back)
@@ -310,13 +333,13 @@ class ReplayStore:
             self._learner_version = int(version)
 
     def admission_capacity(self, eta: int | None = None, batch_size: int | None = None) -> int:
-        """(eta + v + 1)·B − produced; may be negative when the learner fell behind."""
+        """(eta + v + 1)·B − produced (system.staleness); may be negative when the learner fell behind."""
         eta = self._eta if eta is None else eta
         b = self._batch_size if batch_size is None else batch_size
         if eta is None or b is None:
             raise ValueError("admission needs eta and batch_size (constructor or call)")
         with self._mu:
-            return (eta + self._learner_version + 1) * b - (len(self._summary) + self._reserved)
+            return admission_capacity(eta, self._learner_version, b, len(self._summary) + self._reserved)
 
     def admit(self, n: int, eta: int | None = None, batch_size: int | None = None) -> int:
         """Reserves up to n tree starts for a sampler; returns how many were granted."""
@@ -338,6 +361,7 @@ class ReplayStore:
             for s in self._summary.values():
                 versions.update(dict(s.versions))
             kinds = Counter(kind for _, kind, _ in self._segments.values())
+            summaries = self._summary.values()
             return {
                 "trees": {
                     "raw": len(self._uncredited),
@@ -346,9 +370,7 @@ class ReplayStore:
                     "consumed": len(self._consumed),
                     "total": len(self._summary),
                 },
-                "nodes": sum(s.nodes for s in self._summary.values()),
-                "leaves": sum(s.leaves for s in self._summary.values()),
-                "tokens": sum(s.tokens for s in self._summary.values()),
+                **{k: sum(getattr(s, k) for s in summaries) for k in ("nodes", "leaves", "tokens")},
                 "policy_versions": {str(int(v)): int(c) for v, c in sorted(versions.items())},
                 "segments": {
                     "raw": kinds["raw"],
@@ -376,24 +398,3 @@ class ReplayStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass
-class VerifyResult:
-    ok: bool
-    errors: list[str]
-    notes: list[str]
-    stats: dict[str, Any]
-
-
-def verify_store(directory: str | os.PathLike) -> VerifyResult:
-    """Read-only check (moves nothing): every committed segment decodes and every tree validates."""
-    try:
-        store = ReplayStore(directory, create=False, readonly=True)
-    except StoreError as e:
-        return VerifyResult(False, [str(e)], [], {})
-    with store:
-        report = store.recovery_report
-        errors = [f"{r['file']}: {r['reason']}" for r in report if r["committed"]]
-        notes = [f"{r['file']}: {r['reason']} (not a committed tree)" for r in report if not r["committed"]]
-        return VerifyResult(not errors, errors, notes, store.stats())

@@ -1,103 +1,75 @@
-"""Ray shell around ReplayStore: serves one store directory to samplers, backup and learner on any node.
+"""The replay store on Ray: `ReplayStore` itself as the actor (`ray.remote` applied here, at the call site),
+and `RemoteStore`, the `StoreClient` (system/interfaces.py) the samplers, the backup and the learner call.
 
-Trees cross the object store as Arrow IPC stream bytes (`tree_codec.encode_ipc` / `decode_ipc` on the
-client side), never as pickled Python node lists; the learner can also take a batch as IPC bytes of the
-columns (`take_batch_ipc`) and read them with `tree_codec.ipc_to_table` + `flat_batches`, without copies.
+Trees cross the object store as Arrow IPC file bytes — the bytes a segment holds — never as pickled Python
+objects: `RemoteStore` encodes trees once on the caller's side (`tree_codec.encode_ipc`), the store checks the
+bytes once and commits them as they are, and it answers leases and batches with the IPC bytes of the stored
+rows, which `RemoteStore` decodes (zero-copy views of the received buffer).
 
     handle = start_store_actor("/runs/x/store", eta=2, batch_size=64)
-    ray.get(handle.put_raw.remote(encode_ipc(trees)))
-    trees = decode_ipc(ray.get(handle.take_raw.remote(16)))
-    buf = ray.get(handle.take_batch_ipc.remote(64))      # None until 64 credited trees wait
+    store = RemoteStore(handle)          # the same methods as an in-process ReplayStore
+    store.put_raw(trees); store.lease_raw(16); store.take_batch(64)
 
-Ray runs one call at a time on an actor (max_concurrency=1), so the store sees no concurrent calls.
+Ray runs one call at a time on the actor (max_concurrency=1), so the store sees no concurrent calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 
 from storage.replay_store import ReplayStore
-from storage.tree_codec import decode_ipc, encode_ipc, table_to_ipc
-
-
-class ReplayStoreShell:
-    """Plain class; `ray.remote` is applied at the call site (start_store_actor)."""
-
-    def __init__(self, directory: str, **options: Any):
-        self.store = ReplayStore(directory, **options)
-
-    def put_raw(self, buf: bytes) -> int:
-        return self.store.put_raw(decode_ipc(buf))
-
-    def put_credited(self, buf: bytes) -> int:
-        return self.store.put_credited(decode_ipc(buf))
-
-    def take_raw(self, max_trees: int) -> bytes:
-        return encode_ipc(self.store.take_raw(max_trees))
-
-    def release_raw(self, tree_ids: list[str]) -> None:
-        self.store.release_raw(tree_ids)
-
-    def take_batch_ipc(self, n: int) -> bytes | None:
-        """Batch k = consumed_watermark() before the call, as IPC bytes of its rows; None if not ready."""
-        table = self.store.take_batch_table(n)
-        return None if table is None else table_to_ipc(table)
-
-    def consumed_watermark(self) -> int:
-        return self.store.consumed_watermark()
-
-    def rewind_to(self, watermark: int) -> int:
-        return self.store.rewind_to(watermark)
-
-    def set_learner_version(self, version: int) -> None:
-        self.store.set_learner_version(version)
-
-    def admission_capacity(self) -> int:
-        return self.store.admission_capacity()
-
-    def admit(self, n: int) -> int:
-        return self.store.admit(n)
-
-    def release(self, n: int) -> None:
-        self.store.release(n)
-
-    def stats(self) -> dict[str, Any]:
-        return self.store.stats()
-
-    def recovery_report(self) -> list[dict[str, Any]]:
-        return list(self.store.recovery_report)
-
-    def close(self) -> None:
-        self.store.close()
+from storage.tree_codec import decode_ipc, encode_ipc
+from system.tree import RolloutTree
 
 
 def start_store_actor(directory: str, name: str | None = None, **options: Any) -> Any:
-    """Starts the shell as a Ray actor (0 CPUs: it mostly waits on disk); returns the handle."""
-    actor = ray.remote(num_cpus=0, max_concurrency=1)(ReplayStoreShell)
+    """Starts `ReplayStore(directory, **options)` as a Ray actor (0 CPUs: it mostly waits on disk)."""
+    actor = ray.remote(num_cpus=0, max_concurrency=1)(ReplayStore)
     if name is not None:
         actor = actor.options(name=name)
     return actor.remote(directory, **options)
 
 
 class RemoteStore:
-    """Client for a store actor with the local ReplayStore's tree-level methods (IPC bytes on the wire)."""
+    """`StoreClient` over a store actor: tree-level calls, Arrow IPC bytes on the wire. Picklable (it holds
+    only the actor handle), so it can be handed to other actors at construction."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def put_raw(self, trees: list) -> int:
-        return ray.get(self.handle.put_raw.remote(encode_ipc(trees)))
+    def _call(self, method: str, *args: Any) -> Any:
+        return ray.get(getattr(self.handle, method).remote(*args))
 
-    def put_credited(self, trees: list) -> int:
-        return ray.get(self.handle.put_credited.remote(encode_ipc(trees)))
+    def put_raw(self, trees: Sequence[RolloutTree]) -> int:
+        return int(self._call("put_raw", encode_ipc(trees)))
 
-    def take_raw(self, max_trees: int) -> list:
-        return decode_ipc(ray.get(self.handle.take_raw.remote(max_trees)))
+    def lease_raw(self, max_trees: int) -> list[RolloutTree]:
+        return decode_ipc(self._call("lease_raw_ipc", max_trees), "store lease")
 
-    def release_raw(self, tree_ids: list[str]) -> None:
-        ray.get(self.handle.release_raw.remote(list(tree_ids)))
+    def put_credited(self, trees: Sequence[RolloutTree]) -> int:
+        return int(self._call("put_credited", encode_ipc(trees)))
+
+    def take_batch(self, n: int) -> list[RolloutTree] | None:
+        buf = self._call("take_batch_ipc", n)
+        return None if buf is None else decode_ipc(buf, "store batch")
+
+    def admit(self, n: int) -> int:
+        return int(self._call("admit", n))
+
+    def release(self, n: int) -> None:
+        self._call("release", n)
+
+    def watermark(self) -> int:
+        return int(self._call("watermark"))
+
+    def rewind_to(self, watermark: int) -> int:
+        return int(self._call("rewind_to", watermark))
+
+    def set_learner_version(self, version: int) -> None:
+        self._call("set_learner_version", version)
 
     def stats(self) -> dict[str, Any]:
-        return ray.get(self.handle.stats.remote())
+        return dict(self._call("stats"))

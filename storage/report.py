@@ -71,108 +71,108 @@ def _ratio(lo: float = 0.0, hi: float = 1.0) -> tuple[float, float]:
     return (lo - 0.03 * (hi - lo), hi + 0.03 * (hi - lo))
 
 
+_FIXED_FIGURES = (
+    FigureSpec(
+        "reward",
+        "Reward and success",
+        2,
+        (
+            Panel("Reward (mean leaf reward per batch)", "reward", (("reward/mean", "reward/mean"),)),
+            Panel(
+                "Evaluation success",
+                "success rate",
+                (("eval/success", "eval/success"), ("demo/success", "eval before / after training")),
+                ylim=_ratio(),
+                wanted="eval/success",
+            ),
+        ),
+    ),
+    FigureSpec(
+        "staleness",
+        "Staleness",
+        3,
+        (
+            Panel(
+                "Version lag of trained trees",
+                "policy versions behind",
+                (("weights/version_lag", "mean"), ("weights/version_lag_max", "max")),
+                integer_y=True,
+            ),
+            Panel(
+                "Stale trees per batch",
+                "trees (lag > 0)",
+                (("store/stale_trees", "store/stale_trees"),),
+                integer_y=True,
+            ),
+            Panel(
+                "Trees pending in the store",
+                "trees (raw + credited)",
+                (("store/trees_pending", "store/trees_pending"),),
+                integer_y=True,
+            ),
+        ),
+    ),
+    FigureSpec(
+        "throughput",
+        "Throughput per role",
+        3,
+        (
+            Panel("Sampler: tokens per second", "tokens / s", (("sampler/tokens_per_s", "samplers (mean)"),)),
+            Panel("Sampler: idle ratio", "idle fraction", (("sampler/idle_ratio", "samplers"),), _ratio()),
+            Panel(
+                "Sampler: wait for weights",
+                "seconds",
+                (("sampler/wait_for_weights_s", "samplers"),),
+            ),
+            Panel("Learner: step time", "seconds per step", (("learner/step_s", "learner"),)),
+            Panel("Learner: idle ratio", "idle fraction", (("learner/idle_ratio", "learner"),), _ratio()),
+            Panel("Learner: wait for a batch", "seconds", (("learner/wait_for_batch_s", "learner"),)),
+        ),
+    ),
+)
+
+
 def figure_specs(scalars: Scalars) -> tuple[FigureSpec, ...]:
     """The four figures; the mini-batch panels get one line per k found in `scalars`."""
-    ks = minibatch_indices(scalars)
+    return (*_FIXED_FIGURES, _minibatch_figure(minibatch_indices(scalars)))
 
+
+def _minibatch_figure(ks: list[int]) -> FigureSpec:
     def per_mb(key: str) -> tuple[tuple[str, str], ...]:
         return tuple((f"learner/mb{k}/{key}", f"mini-batch {k}") for k in ks)
 
-    return (
-        FigureSpec(
-            "reward",
-            "Reward and success",
-            2,
-            (
-                Panel("Reward (mean leaf reward per batch)", "reward", (("reward/mean", "reward/mean"),)),
-                Panel(
-                    "Evaluation success",
-                    "success rate",
-                    (("eval/success", "eval/success"), ("demo/success", "eval before / after training")),
-                    ylim=_ratio(),
-                    wanted="eval/success",
-                ),
+    return FigureSpec(
+        "minibatches",
+        "Per mini-batch index k",
+        2,
+        (
+            Panel(
+                "Loss per mini-batch",
+                "loss",
+                (*per_mb("loss"), ("learner/loss", "all mini-batches")),
+                wanted="learner/mb{k}/loss",
+            ),
+            Panel(
+                "Overshoot fraction per mini-batch",
+                "fraction of turns past target",
+                per_mb("overshoot_frac"),
+                (0.0, 0.0),  # from 0, but not stretched to 1: overshoot is usually a few percent
+                wanted="learner/mb{k}/overshoot_frac",
+            ),
+            Panel(
+                "Mean |s| per mini-batch",
+                "mean |s|",
+                per_mb("mean_abs_s"),
+                wanted="learner/mb{k}/mean_abs_s",
+            ),
+            Panel(
+                "KL to target per mini-batch",
+                "KL (token-weighted)",
+                (*per_mb("kl_to_target"), ("learner/kl_to_target", "all mini-batches")),
+                wanted="learner/mb{k}/kl_to_target",
             ),
         ),
-        FigureSpec(
-            "staleness",
-            "Staleness",
-            3,
-            (
-                Panel(
-                    "Version lag of trained trees",
-                    "policy versions behind",
-                    (("weights/version_lag", "mean"), ("weights/version_lag_max", "max")),
-                    integer_y=True,
-                ),
-                Panel(
-                    "Stale trees per batch",
-                    "trees (lag > 0)",
-                    (("store/stale_trees", "store/stale_trees"),),
-                    integer_y=True,
-                ),
-                Panel(
-                    "Trees pending in the store",
-                    "trees (raw + credited)",
-                    (("store/trees_pending", "store/trees_pending"),),
-                    integer_y=True,
-                ),
-            ),
-        ),
-        FigureSpec(
-            "throughput",
-            "Throughput per role",
-            3,
-            (
-                Panel(
-                    "Sampler: tokens per second", "tokens / s", (("sampler/tokens_per_s", "samplers (mean)"),)
-                ),
-                Panel(
-                    "Sampler: idle ratio", "idle fraction", (("sampler/idle_ratio", "samplers"),), _ratio()
-                ),
-                Panel(
-                    "Sampler: wait for weights",
-                    "seconds",
-                    (("sampler/wait_for_weights_s", "samplers"),),
-                ),
-                Panel("Learner: step time", "seconds per step", (("learner/step_s", "learner"),)),
-                Panel("Learner: idle ratio", "idle fraction", (("learner/idle_ratio", "learner"),), _ratio()),
-                Panel("Learner: wait for a batch", "seconds", (("learner/wait_for_batch_s", "learner"),)),
-            ),
-        ),
-        FigureSpec(
-            "minibatches",
-            "Per mini-batch index k",
-            2,
-            (
-                Panel(
-                    "Loss per mini-batch",
-                    "loss",
-                    (*per_mb("loss"), ("learner/loss", "all mini-batches")),
-                    wanted="learner/mb{k}/loss",
-                ),
-                Panel(
-                    "Overshoot fraction per mini-batch",
-                    "fraction of turns past target",
-                    per_mb("overshoot_frac"),
-                    (0.0, 0.0),  # from 0, but not stretched to 1: overshoot is usually a few percent
-                    wanted="learner/mb{k}/overshoot_frac",
-                ),
-                Panel(
-                    "Mean |s| per mini-batch",
-                    "mean |s|",
-                    per_mb("mean_abs_s"),
-                    wanted="learner/mb{k}/mean_abs_s",
-                ),
-                Panel(
-                    "KL to target per mini-batch",
-                    "KL (token-weighted)",
-                    (*per_mb("kl_to_target"), ("learner/kl_to_target", "all mini-batches")),
-                    wanted="learner/mb{k}/kl_to_target",
-                ),
-            ),
-            shared_legend=True,
-        ),
+        shared_legend=True,
     )
 
 

@@ -1,8 +1,10 @@
 """Durable file primitives under the replay store: atomic segment commits, quarantine, the consumed log.
 
-Commit protocol (one segment = one commit): write ``segments/.tmp-<name>`` → fsync the file → rename to
-``segments/<name>`` → fsync the directory. A rename is atomic, so a reader sees the whole segment or none of
-it; a crash leaves at most a ``.tmp-`` file, which recovery moves to ``quarantine/``.
+Commit protocol (one segment = one commit, by `storage.durable.write_atomic`): ``segments/.tmp-<name>``
+→ fsync the file → rename to ``segments/<name>`` → fsync the directory. A rename is atomic, so a reader sees
+the whole segment or none of it; a crash leaves at most a ``.tmp-`` file, which recovery moves to
+``quarantine/``. A segment's bytes are an Arrow IPC *file* (random access to its record batches, memory-mapped
+without copies): exactly the bytes `tree_codec.encode_ipc` produces, so a commit writes what it received.
 
 The consumed log is append-only text, one record per line: ``<crc32 hex8> <json>\\n``, fsynced per append.
 A bad or unterminated *last* line is a torn append (its call never returned) and is cut off, after copying
@@ -26,7 +28,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from storage.tree_codec import SCHEMA, FlatColumns, TreeCodecError, check_schema, decode_trees, flat_columns
+from storage.durable import fsync_dir, write_atomic
+from storage.tree_checks import check_trees
+from storage.tree_codec import SCHEMA, FlatColumns, TreeCodecError, check_schema, flat_columns
 from system.tree import TreeValidationError
 
 REASON_SUFFIX = ".reason.json"
@@ -42,43 +46,6 @@ class StoreError(RuntimeError):
 
 class LogError(StoreError):
     """The consumed log is corrupt in a way that cannot be a torn append."""
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)  # fsync on any fd of the inode flushes its data on Linux
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
-
-
-def write_segment(path: Path, batch: pa.RecordBatch) -> int:
-    """Commits `batch` as the Arrow IPC file `path` (temp, fsync, rename, fsync dir); returns its size."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    _fsync_file(tmp)
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
-    return path.stat().st_size
 
 
 def read_segment(path: Path) -> tuple[pa.Schema, list[pa.RecordBatch]]:
@@ -97,7 +64,7 @@ def quarantine(root: Path, path: Path, reason: str) -> Path:
         k += 1
         dest = qdir / f"{base}.{k}"
     info = {"file": str(path.relative_to(root)), "reason": reason, "time": time.time()}
-    atomic_write_bytes(dest.with_name(dest.name + REASON_SUFFIX), json.dumps(info, indent=1).encode())
+    write_atomic(dest.with_name(dest.name + REASON_SUFFIX), json.dumps(info, indent=1).encode())
     os.rename(path, dest)
     fsync_dir(qdir)
     fsync_dir(path.parent)
@@ -212,9 +179,7 @@ def init_or_check(root: Path, create: bool) -> None:
         raise StoreError(f"{root}: no treeopsd replay store here (create=False)")
     for sub in ("segments", "quarantine"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(
-        root / MARKER, json.dumps({"format": FORMAT, "layout_version": LAYOUT_VERSION}).encode()
-    )
+    write_atomic(root / MARKER, json.dumps({"format": FORMAT, "layout_version": LAYOUT_VERSION}).encode())
 
 
 # ---- segment index entries ------------------------------------------------------------------------------
@@ -266,7 +231,22 @@ def batch_entries(seq: int, bi: int, f: FlatColumns) -> list[Entry]:
 
 def check_segment(path: Path, seq: int, kind: str, full: bool) -> list[Entry]:
     """Index entries of a committed segment; raises (BAD_SEGMENT or StoreError) if any part is bad."""
-    schema, batches = read_segment(path)
+    return check_batches(*read_segment(path), seq, kind, full)
+
+
+def check_ipc(buf: bytes | memoryview, seq: int, kind: str, full: bool) -> list[Entry]:
+    """The same checks on the IPC file bytes a client sent (`tree_codec.encode_ipc`), before they are
+    committed as they are. Stream-format bytes are refused: a segment needs the file format."""
+    if bytes(memoryview(buf)[:6]) != b"ARROW1":
+        raise StoreError("expected Arrow IPC file bytes (tree_codec.encode_ipc), not the stream format")
+    reader = pa.ipc.open_file(pa.py_buffer(buf))
+    batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    return check_batches(reader.schema, batches, seq, kind, full)
+
+
+def check_batches(
+    schema: pa.Schema, batches: list[pa.RecordBatch], seq: int, kind: str, full: bool
+) -> list[Entry]:
     check_schema(schema)
     entries: list[Entry] = []
     for bi, b in enumerate(batches):
@@ -275,7 +255,7 @@ def check_segment(path: Path, seq: int, kind: str, full: bool) -> list[Entry]:
         if kind == "credited" and not f.has_credit.all():
             raise StoreError("a credited segment holds a tree without credit")
         if full:
-            decode_trees(b)  # every tree must pass validate_tree
+            check_trees(b, f)  # every tree must pass validate_tree's rules
         entries.extend(batch_entries(seq, bi, f))
     ids = [e[0] for e in entries]
     if not ids or len(set(ids)) != len(ids):

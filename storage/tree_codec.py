@@ -13,9 +13,9 @@ Schema (version 1, stored in the schema metadata under ``treeopsd.schema_version
     tau                     float64       per-tree tau repeated on its rows; null if no credit or tau=None
     meta                    string        the tree's meta as JSON on the root row, null on the others
 
-Reading is zero-copy where Arrow allows it: `flat_columns` hands out offsets + value arrays that view the
-Arrow buffers (memory-mapped files included), and `decode_trees` builds `TurnNode`s whose arrays are slices
-of those views (read-only). A file of another schema version is refused with `SchemaVersionError`.
+Reading is zero-copy where Arrow allows it: `flat_columns` hands out offsets + value arrays viewing the Arrow
+buffers (mapped files included), and `decode_trees` builds `TurnNode`s whose arrays are read-only slices of
+those views. A file of another schema version is refused with `SchemaVersionError`.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _bitmap(valid: np.ndarray | None) -> pa.Buffer | None:
     return None if valid is None or valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
 
 
-def _arr(values: np.ndarray, arrow_type: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
+def as_arrow(values: np.ndarray, arrow_type: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
     return pa.Array.from_buffers(
         arrow_type, len(values), [_bitmap(valid), pa.py_buffer(np.ascontiguousarray(values))]
     )
@@ -139,7 +139,9 @@ def _list_array(parts: Sequence[np.ndarray], dtype: type, arrow_type: pa.DataTyp
     if offsets[-1] > np.iinfo(np.int32).max:
         raise TreeCodecError("more than 2^31 list elements in one batch; commit fewer trees at a time")
     values = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-    return pa.ListArray.from_arrays(_arr(offsets.astype(np.int32), pa.int32()), _arr(values, arrow_type))
+    return pa.ListArray.from_arrays(
+        as_arrow(offsets.astype(np.int32), pa.int32()), as_arrow(values, arrow_type)
+    )
 
 
 def _credit_columns(trees: Sequence[RolloutTree], n_rows: int) -> list[pa.Array]:
@@ -157,8 +159,8 @@ def _credit_columns(trees: Sequence[RolloutTree], n_rows: int) -> list[pa.Array]
                 cols["tau"][row : row + n] = float(c.tau)
                 has_tau[row : row + n] = True
         row += n
-    out = [_arr(cols[name], pa.float64(), has) for name in CREDIT_COLUMNS]
-    return [*out, _arr(cols["tau"], pa.float64(), has_tau)]
+    out = [as_arrow(cols[name], pa.float64(), has) for name in CREDIT_COLUMNS]
+    return [*out, as_arrow(cols["tau"], pa.float64(), has_tau)]
 
 
 def encode_trees(trees: Iterable[RolloutTree]) -> pa.RecordBatch:
@@ -173,9 +175,9 @@ def encode_trees(trees: Iterable[RolloutTree]) -> pa.RecordBatch:
     arrays = [
         _strings([t.tree_id for t in trees for _ in t.nodes]),
         _strings([t.prompt_id for t in trees for _ in t.nodes]),
-        *(_arr(ints[k].astype(np.int32), pa.int32()) for k in ("node_id", "parent", "depth")),
-        _arr(ints["policy_version"], pa.int64()),
-        _arr(np.fromiter((n.reward for n in nodes), dtype=np.float64, count=len(nodes)), pa.float64()),
+        *(as_arrow(ints[k].astype(np.int32), pa.int32()) for k in ("node_id", "parent", "depth")),
+        as_arrow(ints["policy_version"], pa.int64()),
+        as_arrow(np.fromiter((n.reward for n in nodes), dtype=np.float64, count=len(nodes)), pa.float64()),
         _list_array([n.tokens for n in nodes], np.int32, pa.int32()),
         _list_array([n.loss_mask for n in nodes], np.uint8, pa.uint8()),
         _list_array([n.behavior_logprobs for n in nodes], np.float32, pa.float32()),
@@ -277,7 +279,7 @@ def _tree_starts(batch: pa.RecordBatch) -> tuple[np.ndarray, list[str]]:
     change = pc.indices_nonzero(pc.not_equal(ids.slice(1), ids.slice(0, n - 1))) if n > 1 else None
     inner = np.zeros(0, np.int64) if change is None else _view(change, np.uint64).astype(np.int64) + 1
     starts = np.concatenate([[0], inner, [n]]).astype(np.int64) if n else np.zeros(1, np.int64)
-    names = ids.take(_arr(starts[:-1], pa.int64())).to_pylist()
+    names = ids.take(as_arrow(starts[:-1], pa.int64())).to_pylist()
     if len(set(names)) != len(names):
         dup = sorted({t for t in names if names.count(t) > 1})
         raise TreeCodecError(f"tree ids {dup[:5]} appear in non-contiguous row runs")
@@ -312,10 +314,13 @@ def flat_columns(batch: pa.RecordBatch, source: str | None = None) -> FlatColumn
         raise TreeCodecError(f"{_where(source)}malformed column data: {e}") from e
 
 
+def _nonempty(data: ArrowData) -> list[pa.RecordBatch]:
+    return [b for b in ([data] if isinstance(data, pa.RecordBatch) else data.to_batches()) if b.num_rows]
+
+
 def flat_batches(data: ArrowData, source: str | None = None) -> list[FlatColumns]:
     """`flat_columns` of every record batch of a table (chunks stay separate, so nothing is copied)."""
-    batches = [data] if isinstance(data, pa.RecordBatch) else data.to_batches()
-    return [flat_columns(b, source) for b in batches if b.num_rows]
+    return [flat_columns(b, source) for b in _nonempty(data)]
 
 
 # ---- decode ----------------------------------------------------------------------------------------
@@ -357,8 +362,8 @@ def decode_trees(data: ArrowData, source: str | None = None) -> list[RolloutTree
         raise TreeCodecError(f"{_where(source)}tree ids {dup} appear in more than one record batch")
     for f, batch in zip(flats, _nonempty(data), strict=True):
         roots = f.tree_starts[:-1]
-        metas = batch.column("meta").take(_arr(roots, pa.int64())).to_pylist()
-        prompts = batch.column("prompt_id").take(_arr(roots, pa.int64())).to_pylist()
+        metas = batch.column("meta").take(as_arrow(roots, pa.int64())).to_pylist()
+        prompts = batch.column("prompt_id").take(as_arrow(roots, pa.int64())).to_pylist()
         for k in range(len(f.tree_ids)):
             try:
                 out.append(_tree_from(f, k, metas[k], prompts[k]))
@@ -369,23 +374,19 @@ def decode_trees(data: ArrowData, source: str | None = None) -> list[RolloutTree
     return out
 
 
-def _nonempty(data: ArrowData) -> list[pa.RecordBatch]:
-    batches = [data] if isinstance(data, pa.RecordBatch) else data.to_batches()
-    return [b for b in batches if b.num_rows]
-
-
-# ---- IPC stream helpers (Ray object store, sockets) -----------------------------------------------------
+# ---- IPC bytes: the *file* format, exactly what a store segment holds (so a commit writes what it got) ---
 def table_to_ipc(data: ArrowData) -> bytes:
-    """An Arrow IPC *stream* holding `data` (schema metadata included)."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, data.schema) as writer:
+    with pa.ipc.new_file(sink, data.schema) as writer:
         writer.write(data)
     return sink.getvalue().to_pybytes()
 
 
 def ipc_to_table(buf: bytes | memoryview | pa.Buffer, source: str | None = None) -> pa.Table:
-    """Reads an IPC stream without copying (the table views `buf`); checks the schema version."""
-    reader = pa.ipc.open_stream(buf if isinstance(buf, pa.Buffer) else pa.py_buffer(buf))
+    """Reads IPC bytes (file format; the stream format too) without copying; checks the schema version."""
+    data = buf if isinstance(buf, pa.Buffer) else pa.py_buffer(buf)
+    is_file = data.size >= 6 and data[:6].to_pybytes() == b"ARROW1"
+    reader = pa.ipc.open_file(data) if is_file else pa.ipc.open_stream(data)
     check_schema(reader.schema, source)
     return reader.read_all()
 

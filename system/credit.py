@@ -1,8 +1,12 @@
-"""Leaf standardization and credit backup over a rollout tree (algorithm.md §3).
+"""The credit backup (docs/algorithm.md §3–§4): a raw RolloutTree in, the same tree with z, V, τ, q out.
 
-A tree is a *parent array*: ``parents[i]`` is the index of turn i's parent turn, or -1 when turn i is a first
-turn (a child of the prompt x, which is not a node). Nodes may be numbered in any order. Leaves are the nodes
-without children; they carry the K rewards.
+    credited = credit_rollout_tree(tree, cfg.algo)    # what the backup role runs on every raw tree
+    c = credit_tree(parents, rewards, rho=0.1)         # the same on plain arrays: R -> z -> V -> tau -> q
+
+A tree is a *parent array* (system/parents.py): ``parents[i]`` is the index of turn i's parent turn, or -1
+for a first turn. Leaves are the nodes without children; they carry the K rewards. `credit_rollout_tree`
+maps node ids to turn indices (node i ↔ turn i−1; the root is not a turn and gets NaN); the teacher map and
+τ live in system/teacher.py.
 
 Formulas (float64 throughout):
 
@@ -28,10 +32,23 @@ one numpy step per depth level, deepest first, so the cost is O(n log n + depth)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from configs.schema import AlgoConfig
+from system.parents import (
+    BoolArray,
+    IntArray,
+    as_parents,
+    depths_checked,
+    leaf_mask,
+    levels_deepest_first,
+)
+from system.teacher import TauMode, TeacherName, check_rho, logistic_teacher, teacher_targets, teacher_tau
+from system.tree import NodeCredit, RolloutTree
 
 WeightName = Literal["uniform", "geo_likelihood", "seq_likelihood", "leaf_count"]
 CreditName = Literal["pointwise", "listwise"]
@@ -42,14 +59,12 @@ STD_EPS = 1e-6  # the epsilon in the z denominator (§3.1)
 ZERO_STD = 1e-12  # below this sample std the tree counts as zero-variance (§10)
 
 FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 def standardize_rewards(rewards: npt.ArrayLike) -> FloatArray:
     """z_j = (R_j - mean) / (sd_ddof1 + 1e-6); all zeros when K < 2 or sd_ddof1 < 1e-12.
 
-    ddof = 1 is what makes |z| <= (K-1)/sqrt(K) and hence the teacher bound hold (algorithm.md §6a).
+    ddof = 1 is what makes |z| <= (K-1)/sqrt(K) and hence the teacher bound hold (docs/algorithm.md §6a).
     Raises ValueError naming the first index whose reward is NaN or infinite.
     """
     r = np.asarray(rewards, dtype=np.float64)
@@ -65,73 +80,6 @@ def standardize_rewards(rewards: npt.ArrayLike) -> FloatArray:
         return np.zeros_like(r)
     z: FloatArray = (r - r.mean()) / (sd + STD_EPS)
     return z
-
-
-def _as_parents(parents: npt.ArrayLike) -> IntArray:
-    """Validate shape/range and return int64 parents (no cycle check here)."""
-    p = np.asarray(parents)
-    if p.ndim != 1:
-        raise ValueError(f"parents must be 1-D, got shape {p.shape}")
-    if p.dtype.kind == "f" and p.size and not np.all(np.isfinite(p) & (p == np.round(p))):
-        bad = int(np.flatnonzero(~(np.isfinite(p) & (p == np.round(p))))[0])
-        raise ValueError(f"parents[{bad}] = {float(p[bad])} is not an integer node index")
-    if p.dtype.kind not in "iuf" and p.size:
-        raise ValueError(f"parents must be integers, got dtype {p.dtype}")
-    p = p.astype(np.int64)
-    n = p.size
-    out_of_range = np.flatnonzero((p < -1) | (p >= n))
-    if out_of_range.size:
-        i = int(out_of_range[0])
-        raise ValueError(f"parent of node {i} is {int(p[i])}, outside [-1, {n - 1}]")
-    return p
-
-
-def _depths_checked(p: IntArray) -> IntArray:
-    """Depth of every node (first turn = 1) by pointer doubling; ValueError on a cycle."""
-    n = p.size
-    # Node n is a sentinel standing for the prompt; it points to itself.
-    jump = np.where(p < 0, n, p)
-    jump = np.append(jump, n)
-    dist = np.ones(n + 1, dtype=np.int64)
-    dist[n] = 0
-    # After k rounds jump[i] is the 2^k-th ancestor; 2^k >= n+1 reaches the prompt unless on a cycle.
-    for _ in range(max(1, int(n).bit_length() + 1)):
-        if np.all(jump == n):
-            break
-        dist = dist + dist[jump]
-        jump = jump[jump]
-    stuck = np.flatnonzero(jump[:n] != n)
-    if stuck.size:
-        # jump of a stuck node is on its cycle once 2^k >= n.
-        on_cycle = int(jump[stuck[0]])
-        raise ValueError(f"parents contain a cycle (through node {on_cycle}); every node must reach -1")
-    return dist[:n]
-
-
-def tree_depths(parents: npt.ArrayLike) -> IntArray:
-    """Number of turns from the prompt down to each node, inclusive: a first turn has depth 1.
-
-    Validates ``parents`` (range, cycles) like ``backup_credit``.
-    """
-    return _depths_checked(_as_parents(parents))
-
-
-def leaf_mask(parents: npt.ArrayLike) -> BoolArray:
-    """True for nodes that are nobody's parent (terminal turns, the K rewarded leaves)."""
-    p = _as_parents(parents)
-    has_child = np.zeros(p.size, dtype=bool)
-    has_child[p[p >= 0]] = True
-    return ~has_child
-
-
-def _levels(depth: IntArray) -> list[IntArray]:
-    """Node indices grouped by depth, deepest level first."""
-    if depth.size == 0:
-        return []
-    order = np.argsort(-depth, kind="stable")
-    d_sorted = depth[order]
-    cuts = np.flatnonzero(np.diff(d_sorted)) + 1
-    return np.split(order, cuts)
 
 
 def _accumulate(slot: IntArray, levels: list[IntArray], init: FloatArray, w: FloatArray) -> FloatArray:
@@ -216,8 +164,8 @@ def backup_weights(
 
     First turns are one sibling group (children of the prompt). Validates like ``backup_credit``.
     """
-    p = _as_parents(parents)
-    return _weights_and_levels(p, _depths_checked(p), weights, turn_logprob_sums, turn_lengths)[0]
+    p = as_parents(parents)
+    return _weights_and_levels(p, depths_checked(p), weights, turn_logprob_sums, turn_lengths)[0]
 
 
 def _weights_and_levels(
@@ -230,7 +178,7 @@ def _weights_and_levels(
     if weights not in WEIGHT_OPTIONS:
         raise ValueError(f"weights must be one of {WEIGHT_OPTIONS}, got {weights!r}")
     n = p.size
-    levels = _levels(depth)
+    levels = levels_deepest_first(depth)
     slot = np.where(p < 0, n, p)
     counts = None
     if weights == "leaf_count":
@@ -268,12 +216,12 @@ def backup_credit(
     """
     if credit not in CREDIT_OPTIONS:
         raise ValueError(f"credit must be one of {CREDIT_OPTIONS}, got {credit!r}")
-    p = _as_parents(parents)
+    p = as_parents(parents)
     n = p.size
     values = np.asarray(leaf_values, dtype=np.float64)
     if values.shape != (n,):
         raise ValueError(f"leaf_values must have shape ({n},) like parents, got {values.shape}")
-    depth = _depths_checked(p)  # cycle errors first: on a cycle the leaf/internal split is meaningless
+    depth = depths_checked(p)  # cycle errors first: on a cycle the leaf/internal split is meaningless
     has_child = np.zeros(n, dtype=bool)
     has_child[p[p >= 0]] = True
     _check_leaf_values(~has_child, values)
@@ -284,3 +232,107 @@ def backup_credit(
     if credit == "listwise":
         return v[:n] - v[slot]  # v[n] is the prompt's backed-up value
     return v[:n]
+
+
+# ---- the whole backup of one tree (what the backup role runs) -------------------------------------------
+@dataclass(frozen=True, eq=False)
+class TreeCredit:
+    """Per-node credit of one tree; arrays are (n,) float64 in the tree's node order.
+
+    z: standardized reward on leaves, NaN on internal nodes.
+    V: the credit fed to the teacher (pointwise V_i, or listwise V_i - V_parent(i)).
+    tau: temperature, None when K < 2.
+    q, r_star: teacher probability and target ratio.
+    num_leaves: K.
+    """
+
+    z: FloatArray
+    V: FloatArray
+    tau: float | None
+    q: FloatArray
+    r_star: FloatArray
+    num_leaves: int
+
+
+def credit_tree(
+    parents: npt.ArrayLike,
+    rewards_on_leaves: npt.ArrayLike,
+    rho: float,
+    weights: WeightName | str = "uniform",
+    teacher: TeacherName | str = "odds",
+    tau_mode: TauMode | str = "per_tree",
+    k_nominal: int | None = None,
+    credit: CreditName | str = "pointwise",
+    turn_logprob_sums: npt.ArrayLike | None = None,
+    turn_lengths: npt.ArrayLike | None = None,
+) -> TreeCredit:
+    """The whole backup-actor computation for one tree: R -> z -> V -> tau -> (q, r*).
+
+    ``rewards_on_leaves`` is (n,) like ``parents``: the raw reward R on each leaf, NaN on internal nodes.
+    K < 2 or zero reward variance gives V = 0, q = 1/2, r* = 1 (tau is None only for K < 2).
+
+    Listwise credit (ablation) is not covered by the rho bound: |V_i - V_parent(i)| <= max z - min z, which
+    can approach sqrt(2K/(K-1)) rho tau, so q may leave (0, 1) once rho >= sqrt((K-1)/(8K)) (0.25 at K = 2,
+    0.34 at K = 12); ``teacher_targets`` then raises. Use a small rho with listwise credit.
+    """
+    check_rho(rho)
+    if teacher not in ("odds", "logistic"):
+        raise ValueError(f"teacher must be 'odds' or 'logistic', got {teacher!r}")
+    leaf = leaf_mask(parents)
+    r = np.asarray(rewards_on_leaves, dtype=np.float64)
+    if r.shape != leaf.shape:
+        raise ValueError(f"rewards_on_leaves must have shape {leaf.shape} like parents, got {r.shape}")
+    inner = np.flatnonzero(~leaf & ~np.isnan(r))
+    if inner.size:
+        i = int(inner[0])
+        raise ValueError(f"internal node {i} has reward {float(r[i])}; internal nodes must be NaN")
+    bad = np.flatnonzero(leaf & ~np.isfinite(r))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"leaf node {i} needs a finite reward, got {float(r[i])}")
+    z = np.full(r.shape, np.nan)
+    z[leaf] = standardize_rewards(r[leaf])
+    k = int(leaf.sum())
+    v = backup_credit(parents, z, weights, turn_logprob_sums, turn_lengths, credit)
+    tau = teacher_tau(k, rho, tau_mode, k_nominal)
+    q, r_star = teacher_targets(v, tau) if teacher == "odds" else logistic_teacher(v, tau)
+    return TreeCredit(z=z, V=v, tau=tau, q=q, r_star=r_star, num_leaves=k)
+
+
+def turn_logprob_stats(tree: RolloutTree) -> tuple[np.ndarray, np.ndarray]:
+    """(Σ_t log μ(y_t), ℓ) per turn over finite loss tokens, turn-indexed."""
+    sums, lengths = [], []
+    for n in tree.nodes[1:]:
+        m = tree.effective_mask(n.node_id)
+        sums.append(float(n.behavior_logprobs[m].astype(np.float64).sum()))
+        lengths.append(int(m.sum()))
+    return np.array(sums), np.array(lengths, dtype=np.float64)
+
+
+def credit_rollout_tree(tree: RolloutTree, algo: AlgoConfig) -> RolloutTree:
+    """Attaches NodeCredit; idempotent (a tree that already has credit is recomputed identically)."""
+    rewards = np.array([n.reward for n in tree.nodes[1:]], dtype=np.float64)
+    sums, lengths = turn_logprob_stats(tree)
+    c = credit_tree(
+        tree.turn_parents(),
+        rewards,
+        algo.rho,
+        weights=algo.backup_weights,
+        teacher=algo.teacher,
+        tau_mode=algo.tau_mode,
+        k_nominal=algo.nominal_leaves if algo.tau_mode == "global" else None,
+        credit=algo.credit,
+        turn_logprob_sums=sums,
+        turn_lengths=lengths,
+    )
+
+    def with_root(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([[np.nan], a])
+
+    return tree.with_credit(NodeCredit(z=with_root(c.z), V=with_root(c.V), q=with_root(c.q), tau=c.tau))
+
+
+def is_zero_variance(tree: RolloutTree) -> bool:
+    """All K rewards equal (or K < 2): V ≡ 0, q ≡ 1/2 — `zero_var_trees = drop` removes such trees."""
+    r = tree.leaf_rewards()
+    return len(r) < 2 or float(np.ptp(r)) == 0.0

@@ -1,4 +1,4 @@
-"""Slow reference for the credit core, written in the paper's notation (algorithm.md §3-§4).
+"""Slow reference for the credit core, written in the paper's notation (docs/algorithm.md §3-§4).
 
 Used only by tests to check ``system.credit`` / ``system.teacher``. Plain Python floats, explicit formulas,
 recursion on a dict of children C(i); nothing is shared with the fast code:

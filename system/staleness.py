@@ -29,3 +29,13 @@ def batch_metrics(trees: Sequence[RolloutTree], learner_version: int) -> dict[st
         "tree/depth": float(max(int(n.depth) for t in trees for n in t.nodes)),
         "tree/tokens": float(sum(t.num_tokens for t in trees)),
     }
+
+
+def admission_capacity(eta: int, learner_version: int, batch_size: int, produced: int) -> int:
+    """AReaL-style staleness admission (docs/design.md §4): trees a sampler may still start.
+
+    (η + v + 1)·B − produced, where v is the learner's version and `produced` counts trees in the store plus
+    outstanding reservations; negative when the learner fell behind. With η versions of lag admitted, a tree
+    started now is trained by version v + η at the latest.
+    """
+    return (eta + learner_version + 1) * batch_size - produced

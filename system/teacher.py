@@ -1,4 +1,4 @@
-"""Teacher map and temperature calibration (algorithm.md §4, §6a, §6d, §10).
+"""Teacher map and temperature calibration (docs/algorithm.md §4, §6a, §6d, §10).
 
     tau = (K - 1) / (rho * sqrt(K))                    per tree, K = its actual leaf count, 0 < rho < 1/2
     q_i = 1/2 + V_i / tau                               "odds" teacher (default)
@@ -17,26 +17,18 @@ No-signal trees (§10): K < 2 -> tau is None; K < 2 or zero reward variance -> V
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from system.credit import (
-    CreditName,
-    FloatArray,
-    WeightName,
-    backup_credit,
-    leaf_mask,
-    standardize_rewards,
-)
+FloatArray = npt.NDArray[np.float64]
 
 TeacherName = Literal["odds", "logistic"]
 TauMode = Literal["per_tree", "global"]
 
 
-def _check_rho(rho: float) -> float:
+def check_rho(rho: float) -> float:
     r = float(rho)
     if not (math.isfinite(r) and 0.0 < r < 0.5):
         raise ValueError(f"rho must lie in the open interval (0, 1/2), got rho={rho}")
@@ -45,7 +37,7 @@ def _check_rho(rho: float) -> float:
 
 def calibrate_tau(num_leaves: int, rho: float) -> float:
     """tau = (K-1)/(rho sqrt(K)) for a tree with K = num_leaves >= 2 leaves (the tight, per-tree choice)."""
-    r = _check_rho(rho)
+    r = check_rho(rho)
     k = int(num_leaves)
     if k != num_leaves or k < 2:
         raise ValueError(
@@ -105,26 +97,7 @@ def logistic_teacher(v: npt.ArrayLike, tau: float | None) -> tuple[FloatArray, F
         return q, np.exp(x)
 
 
-@dataclass(frozen=True, eq=False)
-class TreeCredit:
-    """Per-node credit of one tree; arrays are (n,) float64 in the tree's node order.
-
-    z: standardized reward on leaves, NaN on internal nodes.
-    V: the credit fed to the teacher (pointwise V_i, or listwise V_i - V_parent(i)).
-    tau: temperature, None when K < 2.
-    q, r_star: teacher probability and target ratio.
-    num_leaves: K.
-    """
-
-    z: FloatArray
-    V: FloatArray
-    tau: float | None
-    q: FloatArray
-    r_star: FloatArray
-    num_leaves: int
-
-
-def _tree_tau(k: int, rho: float, tau_mode: str, k_nominal: int | None) -> float | None:
+def teacher_tau(k: int, rho: float, tau_mode: str, k_nominal: int | None) -> float | None:
     """Per-tree or global tau; options are validated even when K < 2 so config errors surface early."""
     if tau_mode not in ("per_tree", "global"):
         raise ValueError(f"tau_mode must be 'per_tree' or 'global', got {tau_mode!r}")
@@ -139,48 +112,3 @@ def _tree_tau(k: int, rho: float, tau_mode: str, k_nominal: int | None) -> float
         tau = global_tau(k_nominal, rho)  # validates k_nominal even when this tree has K < 2
         return None if k < 2 else tau
     return None if k < 2 else calibrate_tau(k, rho)
-
-
-def credit_tree(
-    parents: npt.ArrayLike,
-    rewards_on_leaves: npt.ArrayLike,
-    rho: float,
-    weights: WeightName | str = "uniform",
-    teacher: TeacherName | str = "odds",
-    tau_mode: TauMode | str = "per_tree",
-    k_nominal: int | None = None,
-    credit: CreditName | str = "pointwise",
-    turn_logprob_sums: npt.ArrayLike | None = None,
-    turn_lengths: npt.ArrayLike | None = None,
-) -> TreeCredit:
-    """The whole backup-actor computation for one tree: R -> z -> V -> tau -> (q, r*).
-
-    ``rewards_on_leaves`` is (n,) like ``parents``: the raw reward R on each leaf, NaN on internal nodes.
-    K < 2 or zero reward variance gives V = 0, q = 1/2, r* = 1 (tau is None only for K < 2).
-
-    Listwise credit (ablation) is not covered by the rho bound: |V_i - V_parent(i)| <= max z - min z, which
-    can approach sqrt(2K/(K-1)) rho tau, so q may leave (0, 1) once rho >= sqrt((K-1)/(8K)) (0.25 at K = 2,
-    0.34 at K = 12); ``teacher_targets`` then raises. Use a small rho with listwise credit.
-    """
-    _check_rho(rho)
-    if teacher not in ("odds", "logistic"):
-        raise ValueError(f"teacher must be 'odds' or 'logistic', got {teacher!r}")
-    leaf = leaf_mask(parents)
-    r = np.asarray(rewards_on_leaves, dtype=np.float64)
-    if r.shape != leaf.shape:
-        raise ValueError(f"rewards_on_leaves must have shape {leaf.shape} like parents, got {r.shape}")
-    inner = np.flatnonzero(~leaf & ~np.isnan(r))
-    if inner.size:
-        i = int(inner[0])
-        raise ValueError(f"internal node {i} has reward {float(r[i])}; internal nodes must be NaN")
-    bad = np.flatnonzero(leaf & ~np.isfinite(r))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"leaf node {i} needs a finite reward, got {float(r[i])}")
-    z = np.full(r.shape, np.nan)
-    z[leaf] = standardize_rewards(r[leaf])
-    k = int(leaf.sum())
-    v = backup_credit(parents, z, weights, turn_logprob_sums, turn_lengths, credit)
-    tau = _tree_tau(k, rho, tau_mode, k_nominal)
-    q, r_star = teacher_targets(v, tau) if teacher == "odds" else logistic_teacher(v, tau)
-    return TreeCredit(z=z, V=v, tau=tau, q=q, r_star=r_star, num_leaves=k)

@@ -1,6 +1,6 @@
 """The rollout-tree data model: one prompt, its turns as nodes, every turn stored once.
 
-Layout (algorithm.md §1, §2.3, §2.4)::
+Layout (docs/algorithm.md §1, §2.3, §2.4)::
 
     node 0  root   depth 0  obs_tokens = the prompt's token ids (context only, never in the loss)
     node i  turn   depth d  tokens = what the harness/model put in the assistant message,
@@ -13,7 +13,7 @@ accepts any acyclic order). A leaf is a turn without children; K = number of lea
 turn (the single packed sequence that trains it) is the leaf reached by always following the first-created
 (lowest id) child, so the original trajectory owns its turns and a branch owns only its fresh suffix.
 
-Non-finite behavior log-probs on loss tokens are not an error (algorithm.md §10): such tokens are dropped
+Non-finite behavior log-probs on loss tokens are not an error (docs/algorithm.md §10): such tokens are dropped
 from s_i and ℓ_i (`effective_mask`) and counted (`nonfinite_tokens`); the learner fails loudly when too many
 turns of a step are affected (`check_nonfinite_fraction`).
 """
@@ -87,7 +87,7 @@ def make_node(
 
 @dataclass(frozen=True, eq=False)
 class NodeCredit:
-    """What the backup actor adds (algorithm.md §3–§4), one entry per node, root included (NaN there).
+    """What the backup actor adds (docs/algorithm.md §3–§4), one entry per node, root included (NaN there).
 
     z is finite on leaves only; tau is None when the tree has K < 2 leaves (then V ≡ 0, q ≡ 1/2).
     """
@@ -204,7 +204,7 @@ class RolloutTree:
         return np.array([self.nodes[i].reward for i in self.leaves], dtype=np.float64)
 
     def effective_mask(self, node_id: int) -> np.ndarray:
-        """Loss mask with non-finite behavior log-probs dropped (algorithm.md §10)."""
+        """Loss mask with non-finite behavior log-probs dropped (docs/algorithm.md §10)."""
         n = self.nodes[node_id]
         mask: np.ndarray = n.loss_mask & np.isfinite(n.behavior_logprobs)
         return mask
@@ -302,7 +302,7 @@ def _validate_turn(n: TurnNode, parent_depth: int, has_children: bool, where: st
 
 
 def check_nonfinite_fraction(affected_turns: int, total_turns: int, limit: float = 0.01) -> None:
-    """algorithm.md §10: more than `limit` of a step's turns with non-finite log-probs means a μ/π bug."""
+    """Over `limit` of a step's turns with non-finite log-probs means a μ/π bug (docs/algorithm.md §10)."""
     if total_turns and affected_turns / total_turns > limit:
         raise FloatingPointError(
             f"{affected_turns} of {total_turns} turns have non-finite log-probs (> {limit:.0%}); "

@@ -1,4 +1,4 @@
-"""Initialize–expand bookkeeping (algorithm.md §2): anchor choice and node-id assignment by construction.
+"""Initialize–expand bookkeeping (docs/algorithm.md §2): anchor choice and node-id assignment by construction.
 
 The sampler runs the environment; this module only decides where branches go and hands out node ids, so
 that every turn appears once and the merged tree needs no string matching.

@@ -1,4 +1,4 @@
-"""Writers of tiny fixture files in every dataset format the loaders read (data-and-models.md §2).
+"""Writers of tiny fixture files in every dataset format the loaders read (docs/design.md §9.1).
 
 The project never ships or downloads real data: tests call these with a tmp dir. The records are short
 made-up-but-plausible items; the constants below are what the loaders must map them to.

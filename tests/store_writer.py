@@ -20,12 +20,13 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from storage import store_files
+from storage import durable, store_files
 from storage.replay_store import ReplayStore
 from system.tree import NodeCredit, RolloutTree, make_node
 
@@ -73,13 +74,15 @@ def _arm(die_at: str) -> None:
         hits[point] = hits.get(point, 0) + 1
         return die_at == point and hits[point] == 2
 
-    fsync, rename, append = store_files._fsync_file, os.rename, store_files.AppendLog.append
+    fsync, rename, append = durable.fsync_file, os.rename, store_files.AppendLog.append
 
-    def _fsync(path: Path) -> None:
-        if second("torn_tmp"):
-            os.truncate(path, os.path.getsize(path) // 2)
+    def _fsync(f: BinaryIO) -> None:
+        segment = f"{os.sep}segments{os.sep}" in f.name
+        if segment and second("torn_tmp"):
+            f.flush()
+            os.truncate(f.name, os.path.getsize(f.name) // 2)
             _die()
-        fsync(path)
+        fsync(f)
 
     def _rename(src: str | Path, dst: str | Path) -> None:
         segment = f"{os.sep}segments{os.sep}" in str(dst)
@@ -98,7 +101,7 @@ def _arm(die_at: str) -> None:
         if second("after_log"):
             _die()
 
-    store_files._fsync_file, store_files.AppendLog.append = _fsync, _append
+    durable.fsync_file, store_files.AppendLog.append = _fsync, _append  # type: ignore[method-assign]
     os.rename = _rename  # type: ignore[assignment]
 
 
@@ -125,7 +128,7 @@ def consume(directory: str, n: int) -> None:
     store = ReplayStore(directory, validate="structure")
     _say("ready")
     while (batch := store.take_batch(n)) is not None:
-        k = store.consumed_watermark() - 1
+        k = store.watermark() - 1
         _say(f"batch {k} " + " ".join(t.tree_id for t in batch))
     _say("done")
 

@@ -1,4 +1,4 @@
-"""Random initialize-expand rollout-tree *structures* for tests (algorithm.md §2.2-§2.3).
+"""Random initialize-expand rollout-tree *structures* for tests (docs/algorithm.md §2.2-§2.3).
 
 A tree is M initial trajectories, each a chain of T ~ U{1..t_max} turns under the prompt, plus N branches per
 trajectory. Anchors are drawn on {1..T-1}: without replacement when T-1 >= N, with replacement when

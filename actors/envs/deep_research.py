@@ -1,6 +1,6 @@
 """BrowseComp-Plus in its local layout, and the search/open/answer deep-research env.
 
-Files (data-and-models.md §2):
+Files (docs/design.md §9.1):
 - corpus JSONL ``{docid, text, url}``; ``text`` may start with a ``---\\ntitle: ...\\n---`` header, which is
   parsed off (title, date, ...) and not repeated in the body;
 - queries JSONL (or a JSON list) ``{query_id, query, answer, evidence_docs?, gold_docs?, negative_docs?}``;

@@ -1,6 +1,6 @@
 """Loaders for the paper's multi-hop QA sets in their exact local formats, and the search env over them.
 
-Formats (data-and-models.md §2); ``load_dataset(path)`` detects them from the first record:
+Formats (docs/design.md §9.1); ``load_dataset(path)`` detects them from the first record:
 - ``hotpotqa``: official JSON list (``_id``, ``context: [[title, [sent]]]``, ``supporting_facts: [[title,
   i]]``) or the HF layout (``id``, column-wise ``context``/``supporting_facts``), as a JSON list, a JSON
   dict of columns, or JSONL. Both layouts give identical tasks.

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import bm25s
 import numpy as np
 
+from storage.durable import write_atomic
+
 _PASSAGES_FILE = "passages.jsonl"
 
 
@@ -110,9 +112,13 @@ class Bm25Index:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self._bm25.save(str(path), show_progress=False)
-        with open(path / _PASSAGES_FILE, "w", encoding="utf-8") as fh:
-            for doc_id, text in zip(self.ids, self.texts, strict=True):
-                fh.write(json.dumps({"id": doc_id, "contents": text}, ensure_ascii=False) + "\n")
+        rows = (
+            json.dumps({"id": i, "contents": t}, ensure_ascii=False)
+            for i, t in zip(self.ids, self.texts, strict=True)
+        )
+        write_atomic(
+            path / _PASSAGES_FILE, "".join(r + "\n" for r in rows).encode()
+        )  # last: marks a whole index
 
     @classmethod
     def load(cls, directory: str | Path) -> Bm25Index:

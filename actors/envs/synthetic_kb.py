@@ -1,4 +1,4 @@
-"""The default offline task: multi-hop lookups over a generated knowledge base (data-and-models.md §4.1).
+"""The default offline task: multi-hop lookups over a generated knowledge base (docs/design.md §9.2).
 
 Entities have made-up pronounceable names, so no pretrained model knows the answers. Eight functional
 relations give one passage per fact, ``"The {relation} of {subject} is {object}."``; the default sizes

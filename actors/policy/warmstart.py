@@ -1,4 +1,4 @@
-r"""SFT warm-start of the tiny policy on oracle trajectories of the synthetic KB task (data-and-models §4.4).
+r"""SFT warm-start of the tiny policy on oracle trajectories of the synthetic KB task (docs/design.md §9.4).
 
 Token rendering (shared with the agent loop, which must import these two functions rather than re-derive it):
 
@@ -42,6 +42,7 @@ from actors.policy.tiny_model import (
     save_pretrained,
     set_threads,
 )
+from storage.durable import write_atomic
 from system.policy import SampleRequest, SamplingConfig
 
 _CHATS: dict[int, ChatFormat] = {}
@@ -264,6 +265,9 @@ def evaluate_greedy(
 
 
 # ---- the whole warm-start -----------------------------------------------------------------------------
+DEFAULT_DIMS = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "vocab": 1024}  # configs: model.tiny
+
+
 def _settings(**kw: Any) -> tuple[dict[str, Any], str]:
     settings = {"recipe": RECIPE_VERSION, **kw}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -290,28 +294,37 @@ def warmstart(
     schedule: str = "cosine",
     eval_per_hop: int = 40,
     threads: int = 1,
+    dims: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Builds tokenizer + tiny model, SFTs on oracle trajectories, evaluates greedily on the eval split,
-    saves the HF folder and `warmstart.json` in `out_dir`. Reuses a finished run with the same settings."""
+    saves the HF folder and `warmstart.json` in `out_dir`. Reuses a finished run with the same settings.
+    `dims` (`model.tiny`: hidden, layers, heads, kv_heads, vocab) sizes the model; None: the defaults."""
     out = Path(out_dir)
-    knobs = {"steps": steps, "seed": seed, "n_train": n_train, "batch_size": batch_size, "lr": lr}
+    knobs: dict[str, Any] = {
+        "steps": steps,
+        "seed": seed,
+        "n_train": n_train,
+        "batch_size": batch_size,
+        "lr": lr,
+    }
+    if dims and dims != DEFAULT_DIMS:
+        knobs["dims"] = dict(sorted(dims.items()))  # the default model keeps its cache key
     settings, digest = _settings(**knobs, warmup=warmup, schedule=schedule, eval_per_hop=eval_per_hop)
     if (hit := _cached(out, digest)) is not None:
         return hit
     set_threads(threads)
     report = _train_and_evaluate(out, settings, progress)
     report = {**report, "settings": settings, "settings_hash": digest, "model_dir": str(out)}
-    tmp = out / "warmstart.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out / "warmstart.json")  # written last: its presence marks a finished run
+    write_atomic(out / "warmstart.json", json.dumps(report, indent=2).encode())  # last: marks a finished run
     return {**report, "cached": False}
 
 
 def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     env = SyntheticKBEnv()
-    tokenizer = build_tokenizer(tokenizer_texts(env))
-    model = build_tiny_model(tokenizer, seed=cfg["seed"])
+    dims = dict(cfg.get("dims") or DEFAULT_DIMS)
+    tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))
+    model = build_tiny_model(tokenizer, seed=cfg["seed"], **dims)
     tasks = env.tasks("train", n=cfg["n_train"], hops=(2, 4))
     examples = oracle_examples(tokenizer, env, tasks, progress)
     t_data = time.perf_counter()

@@ -32,7 +32,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_rollout_fills_store_with_valid_trees(tiny_model: str, tmp_path: Path, capsys) -> None:
-    from storage.replay_store import ReplayStore, verify_store
+    from storage.replay_store import ReplayStore
+    from storage.store_verify import verify_store
 
     store = tmp_path / "store"
     argv = ["rollout", "--prompts", "3", "--store", str(store), "--chunk", "2", "--json"]

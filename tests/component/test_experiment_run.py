@@ -10,8 +10,8 @@ import yaml
 from launch.cli import main
 
 
-def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir, capsys):
-    spec = {
+def tiny_spec(tiny_model_dir: str) -> dict:
+    return {
         "name": "tiny",
         "base": "configs/default.yaml",
         "seeds": [0, 1],
@@ -33,8 +33,11 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
         ],
         "claims": [{"better": "TreeOPSD (4,2)", "worse": "ReAct"}],
     }
+
+
+def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir, capsys):
     path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path.write_text(yaml.safe_dump(tiny_spec(tiny_model_dir)))
     out, runs = tmp_path / "out", tmp_path / "runs"
     argv = ["experiment", str(path), "--out", str(out), "--runs-dir", str(runs), "--jobs", "2"]
     assert main(argv) == 0

@@ -16,7 +16,7 @@ from learner.forward import token_logprobs
 from learner.learner import Learner
 from learner.packing import pack_tree
 from storage.checkpoint import load_latest
-from system.backup import credit_rollout_tree
+from system.credit import credit_rollout_tree
 from system.tree import RolloutTree
 
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ import numpy as np
 
 from configs.schema import load_config
 from launch.local_run import build_local_run
-from storage.replay_store import verify_store
+from storage.store_verify import verify_store
 
 
 def test_local_run_steps_and_version_flow(tmp_path, tiny_model_dir):
@@ -34,7 +34,7 @@ def test_local_run_steps_and_version_flow(tmp_path, tiny_model_dir):
         # each sampler that sampled after step k stamps versions > 0 on its new nodes
         versions = {int(v) for t in run.store.get_trees(run.store.tree_ids()) for v in t.versions}
         assert max(versions) >= 1
-        assert all(s.version <= 3 for s in run.samplers)
+        assert all(s.version() <= 3 for s in run.samplers)
         stats = run.store.stats()
         assert stats["trees"]["consumed"] == 6 and stats["batches_handed_out"] == 3  # 3 batches of B = 2
     finally:

@@ -15,8 +15,10 @@ import pytest
 
 from launch import cli
 from storage import store_files as sf
-from storage.replay_store import ReplayStore, StoreError, verify_store
-from storage.tree_codec import VERSION_KEY, encode_trees, flat_batches
+from storage.durable import write_atomic
+from storage.replay_store import ReplayStore, StoreError
+from storage.store_verify import verify_store
+from storage.tree_codec import VERSION_KEY, encode_trees, flat_batches, table_to_ipc
 from system.tree import RolloutTree, TreeValidationError, make_node
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,12 +39,15 @@ def fill(store: ReplayStore, ids: range, credit: bool = True) -> list[RolloutTre
 def test_states_lease_and_exactly_once(tmp_path):
     with ReplayStore(tmp_path / "s") as store:
         trees = fill(store, range(0, 3), credit=False) + fill(store, range(3, 6), credit=False)
-        leased = store.take_raw(4)
+        leased = store.lease_raw(4)
         assert [t.tree_id for t in leased] == ["t0", "t1", "t2", "t3"]  # raw commit order
-        assert [t.tree_id for t in store.take_raw(10)] == ["t4", "t5"]  # leased ones are not handed out twice
-        assert store.take_raw(10) == []
+        assert [t.tree_id for t in store.lease_raw(10)] == [
+            "t4",
+            "t5",
+        ]  # leased ones are not handed out twice
+        assert store.lease_raw(10) == []
         store.release_raw(["t5"])  # a backup gave one back
-        assert [t.tree_id for t in store.take_raw(10)] == ["t5"]
+        assert [t.tree_id for t in store.lease_raw(10)] == ["t5"]
         store.put_credited([credited(t) for t in leased[:3]])
         assert store.stats()["trees"] == {"raw": 3, "leased": 3, "credited": 3, "consumed": 0, "total": 6}
         first = store.take_batch(2)
@@ -52,7 +57,7 @@ def test_states_lease_and_exactly_once(tmp_path):
         store.put_credited([credited(trees[2], tau=None)])  # re-credit: supersedes, keeps its queue place
         second = store.take_batch(2)
         assert [t.tree_id for t in second] == ["t2", "t3"] and second[0].credit.tau is None
-        assert store.consumed_watermark() == 2 and store.batch_tree_ids(1) == ["t2", "t3"]
+        assert store.watermark() == 2 and store.batch_tree_ids(1) == ["t2", "t3"]
         stats = store.stats()
     assert stats["trees"] == {"raw": 0, "leased": 0, "credited": 2, "consumed": 4, "total": 6}
     assert stats["segments"] == {"raw": 2, "credited": 3, "total": 5} and stats["quarantined"] == 0
@@ -69,7 +74,7 @@ def test_rewind_hands_out_the_same_batches_again(tmp_path):
         fill(store, range(8, 10))  # credited later: queued behind everything handed out
         assert store.rewind_to(1) == 4  # the learner's checkpoint says batches 0..0 were trained
     with ReplayStore(tmp_path / "s") as store:
-        assert store.consumed_watermark() == 1
+        assert store.watermark() == 1
         assert [store.take_batch_ids(2) for _ in range(2)] == batches[1:]  # same composition, same ids
         assert store.take_batch_ids(2) == ["t6", "t7"]
         with pytest.raises(ValueError, match="outside"):
@@ -102,7 +107,7 @@ def test_sigkilled_consumer_resumes_without_loss_or_duplicate(tmp_path, die_at):
     printed = _run_consumer(d, die_at, kill_after=None if die_at else 4)  # first run: killed
     with ReplayStore(d) as store:
         # the learner's checkpoint holds the batches it saw; a batch recorded but never seen is voided
-        assert store.consumed_watermark() in (len(printed), len(printed) + 1)
+        assert store.watermark() in (len(printed), len(printed) + 1)
         assert [store.batch_tree_ids(k) for k in range(len(printed))] == printed
         torn = [r for r in store.recovery_report if "torn" in r["reason"]]
         assert len(torn) == (die_at == "log_torn") and all(Path(r["moved_to"]).exists() for r in torn)
@@ -122,7 +127,7 @@ def _three_segments(d: Path) -> list[Path]:
 
 def _plant(d: Path, name: str, batch: pa.RecordBatch) -> Path:
     path = d / "segments" / name
-    sf.write_segment(path, batch)
+    write_atomic(path, table_to_ipc(batch))
     return path
 
 

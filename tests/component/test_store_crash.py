@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from storage import store_files as sf
-from storage.replay_store import ReplayStore, verify_store
+from storage.replay_store import ReplayStore
+from storage.store_verify import verify_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from store_writer import make_tree

@@ -107,10 +107,11 @@ def test_versions_are_stamped_between_turns(kb_env, tokenizer):
     chat = ChatFormat.from_tokenizer(tokenizer)
     backend = ScriptedBackend(tokenizer, seed=11)
 
-    def bump():
-        backend.version += 1  # a weight update between turns
+    class EveryPoll:  # a WeightSink with a new version at every poll: a weight update between turns
+        def poll(self, timeout_ms=0):
+            return backend.version + 1, {}
 
-    sampler = TreeSampler(backend, kb_env, chat, TreeShape(M=2, N=1), LoopLimits(), between_turns=bump)
+    sampler = TreeSampler(backend, kb_env, chat, TreeShape(M=2, N=1), LoopLimits(), weights=EveryPoll())
     [tree] = sampler.sample_trees(kb_env.tasks("train", n=1), np.random.default_rng(3))
     for leaf in tree.leaves:
         versions = [tree.nodes[i].policy_version for i in tree.path(leaf)]

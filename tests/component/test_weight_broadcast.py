@@ -2,58 +2,30 @@
 
 The tcp path is exercised with transport="tcp"; subscribers on this host otherwise read the publisher's
 shared-memory file. Corruption on the socket path comes from a raw ZeroMQ ROUTER speaking the protocol.
+Hashing on request (a sealed payload announced without checksums): test_weight_hashing.py. Nothing waits a
+fixed time for something to happen: a poll returns as soon as a version is in, every other wait is for a
+condition, with a deadline (tests/waiting.py); a short poll that must return nothing is a check, not a wait.
 """
 
-import contextlib
-import functools
 import json
 import os
 import struct
 import threading
-import time
 
 import numpy as np
 import pytest
-import torch
 import zmq
 
-from actors.weight_subscriber import META, WeightSubscriber
 from learner import weight_publisher
-from learner.weight_publisher import InMemoryWeightChannel, WeightPublisher
+from learner.weight_publisher import WeightPublisher
+from system import weight_channel
 from system.weight_codec import WeightHeader, encode_weights
+from system.weight_wire import META
+from tests import weight_fixtures
+from tests.waiting import wait_until
+from tests.weight_fixtures import CHUNK_MB, WAIT_MS, assert_weights, idle_until, memfds, weights
 
-CHUNK_MB = 1 / 64  # 16 KiB chunks: the ~40 KiB payload below spans several
-
-
-def weights(step: int) -> dict:
-    return {
-        "embed": torch.full((64, 160), float(step)),  # 40 KiB: 3 chunks with the norm and count
-        "norm": torch.arange(7, dtype=torch.bfloat16) * step,
-        "count": np.int64(step),
-    }
-
-
-def assert_weights(got, version: int) -> None:
-    assert got is not None and got[0] == version, got
-    want = weights(version)
-    np.testing.assert_array_equal(got[1]["embed"], want["embed"].numpy())
-    assert torch.equal(got[1]["norm"], want["norm"]) and int(got[1]["count"]) == version
-
-
-@pytest.fixture
-def publisher():
-    pub = WeightPublisher(chunk_mb=CHUNK_MB)
-    yield pub
-    pub.close()
-
-
-@pytest.fixture
-def subscriber():
-    """Factory: WeightSubscriber(...) closed at teardown even when the test fails."""
-    made = []
-    yield lambda *a, **kw: made.append(WeightSubscriber(*a, **kw)) or made[-1]
-    for sub in made:
-        sub.close()
+publisher, subscriber = weight_fixtures.publisher, weight_fixtures.subscriber
 
 
 def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher, subscriber):
@@ -63,7 +35,7 @@ def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher, subscri
         tensors = weights(v)
         publisher.publish(tensors, v)
         tensors["embed"] += 100  # the learner trains on in place: the published snapshot must not change
-        assert_weights(sub.poll(5000), v)
+        assert_weights(sub.poll(WAIT_MS), v)
         assert sub.poll(0) is None  # nothing newer: nothing applied twice
     assert sub.stats()["transport"] == "shm" and sub.stats()["rejected"] == 0
     with pytest.raises(ValueError, match="not newer"):
@@ -71,7 +43,7 @@ def test_one_subscriber_gets_each_version_once_and_a_snapshot(publisher, subscri
     with pytest.raises(TypeError, match="complex64"):
         publisher.publish({"c": np.zeros(2, np.complex64)}, 4)
     publisher.publish(weights(4), 4)  # a failed publish announces nothing and breaks nothing
-    assert_weights(sub.poll(5000), 4)
+    assert_weights(sub.poll(WAIT_MS), 4)
 
 
 def test_three_subscribers_over_both_transports(publisher, subscriber):
@@ -79,7 +51,7 @@ def test_three_subscribers_over_both_transports(publisher, subscriber):
     for v in (1, 2, 3):
         publisher.publish(weights(v), v)
         for sub in subs:
-            assert_weights(sub.poll(5000), v)
+            assert_weights(sub.poll(WAIT_MS), v)
     assert [s.stats()["transport"] for s in subs] == ["shm", "tcp", "tcp"]
     assert publisher.stats()["chunks_served"] == 2 * 3 * 3  # 2 tcp subscribers x 3 versions x 3 chunks
 
@@ -89,8 +61,8 @@ def test_late_joiner_and_missed_versions_get_the_latest(publisher, subscriber):
     for v in (1, 2, 3):
         publisher.publish(weights(v), v)
     late = subscriber(publisher.endpoint, transport="tcp")
-    assert_weights(late.poll(5000), 3)
-    assert_weights(early.poll(5000), 3)  # missed 1 and 2: only the newest is fetched
+    assert_weights(late.poll(WAIT_MS), 3)
+    assert_weights(early.poll(WAIT_MS), 3)  # missed 1 and 2: only the newest is fetched
     assert early.poll(200) is None
 
 
@@ -98,12 +70,12 @@ def test_a_restarted_publisher_is_followed_even_with_lower_versions(subscriber):
     first = WeightPublisher(chunk_mb=CHUNK_MB)
     sub = subscriber(first.endpoint, refresh_s=0.1)
     first.publish(weights(5), 5)
-    assert_weights(sub.poll(5000), 5)
+    assert_weights(sub.poll(WAIT_MS), 5)
     port = first.port
     first.close()
     with WeightPublisher(port=port, chunk_mb=CHUNK_MB) as again:  # resumed from an older checkpoint
         again.publish(weights(3), 3)
-        assert_weights(sub.poll(5000), 3)
+        assert_weights(sub.poll(WAIT_MS), 3)
         assert sub.poll(300) is None
 
 
@@ -116,8 +88,8 @@ def test_same_host_payload_is_sealed_and_not_rehashed(publisher, subscriber):
         f.write(b"x")  # sealed: the kernel refuses writes, to every process
     with pytest.raises(PermissionError):
         os.truncate(path, 100)
-    assert_weights(sub.poll(5000), 1)
-    assert_weights(checked.poll(5000), 1)
+    assert_weights(sub.poll(WAIT_MS), 1)
+    assert_weights(checked.poll(WAIT_MS), 1)
     assert (sub.stats()["transport"], sub.stats()["verified"]) == ("shm", "sealed")
     assert (checked.stats()["transport"], checked.stats()["verified"]) == ("shm", "checksums")
 
@@ -126,22 +98,21 @@ def test_corrupted_or_truncated_unsealed_payload_is_rejected(subscriber):
     with WeightPublisher(chunk_mb=CHUNK_MB, seal=False) as pub:
         sub = subscriber(pub.endpoint)
         pub.publish(weights(1), 1)
-        assert_weights(sub.poll(5000), 1)
+        assert_weights(sub.poll(WAIT_MS), 1)
         pub.publish(weights(2), 2)
         with open(pub.stats()["payload_path"], "r+b") as f:  # flip one byte of the published payload
             f.seek(1000)
             byte = f.read(1)
             f.seek(1000)
             f.write(bytes([byte[0] ^ 0x01]))
-        assert sub.poll(500) is None
-        stats = sub.stats()
-        assert stats["version"] == 1 and stats["rejected"] >= 1 and "checksum mismatch" in stats["last_error"]
+        idle_until(sub, lambda: "checksum mismatch" in sub.stats()["last_error"])
+        assert sub.stats()["version"] == 1 and sub.stats()["rejected"] >= 1
         pub.publish(weights(3), 3)
         os.truncate(pub.stats()["payload_path"], 100)
-        assert sub.poll(500) is None
-        assert sub.stats()["version"] == 1 and "truncated" in sub.stats()["last_error"]
+        idle_until(sub, lambda: "truncated" in sub.stats()["last_error"])
+        assert sub.stats()["version"] == 1
         pub.publish(weights(4), 4)
-        assert_weights(sub.poll(5000), 4)  # recovers with the next good version
+        assert_weights(sub.poll(WAIT_MS), 4)  # recovers with the next good version
         assert sub.stats()["verified"] == "checksums"
         # Unsealed: hashed while copied and never announced without checksums.
         assert sub.stats()["unhashed"] == sub.stats()["waited_for_checksums"] == 0
@@ -200,7 +171,7 @@ def raw():
 def test_corrupted_truncated_or_missing_chunks_over_the_socket_are_rejected(raw, subscriber):
     sub = subscriber(raw.endpoint, transport="tcp", fetch_timeout_s=0.5, refresh_s=0.2)
     raw.set(1)  # after the subscriber's first LATEST (answered NONE): found by its periodic refresh
-    assert_weights(sub.poll(5000), 1)
+    assert_weights(sub.poll(WAIT_MS), 1)
     cases = [
         (2, flip(1), "v2: chunk 1 (16384, 32768) checksum mismatch"),
         (3, lambda c: [*c[:-1], c[-1][:-1]], "v3: chunk 2 has"),  # the last chunk one byte short
@@ -209,12 +180,12 @@ def test_corrupted_truncated_or_missing_chunks_over_the_socket_are_rejected(raw,
     for version, edit, error in cases:
         raw.set(version, edit)
         sub.request_latest()
-        assert sub.poll(300) is None
-        assert sub.version == 1 and error in sub.stats()["last_error"], sub.stats()
+        idle_until(sub, lambda error=error: error in sub.stats()["last_error"])
+        assert sub.version == 1, sub.stats()
     assert sub.stats()["rejected"] >= 3
     raw.set(5)
     sub.request_latest()
-    assert_weights(sub.poll(5000), 5)  # the last good version stayed in force until this one
+    assert_weights(sub.poll(WAIT_MS), 5)  # the last good version stayed in force until this one
 
 
 def test_curve_subscriber_needs_the_server_key(subscriber):
@@ -223,7 +194,7 @@ def test_curve_subscriber_needs_the_server_key(subscriber):
         good = subscriber(pub.endpoint, server_public_key=pub.public_key, transport="tcp")
         no_key = subscriber(pub.endpoint)
         wrong_key = subscriber(pub.endpoint, server_public_key=zmq.curve_keypair()[0])
-        assert_weights(good.poll(5000), 1)
+        assert_weights(good.poll(WAIT_MS), 1)
         assert no_key.poll(800) is None and wrong_key.poll(200) is None
         assert no_key.stats()["received"] == wrong_key.stats()["received"] == 0
 
@@ -238,47 +209,36 @@ def test_non_loopback_bind_needs_curve():
     WeightPublisher(bind_host="localhost").close()
 
 
-def memfds() -> set[int]:
-    """Inodes of the payload memfds this process holds open (a mapping holds its own descriptor too)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # e.g. the descriptor listdir itself used
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:treeopsd"):
-                inodes.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
-    return inodes
-
-
 def test_unknown_versions_and_bad_requests(publisher):
     publisher.publish(weights(1), 1)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(publisher.endpoint)
     dealer.send_multipart([b"GET", META.pack(99, 0, 7)])
-    assert dealer.poll(5000) and dealer.recv_multipart() == [b"GONE", META.pack(99, 0, 7)]
+    assert dealer.poll(WAIT_MS) and dealer.recv_multipart() == [b"GONE", META.pack(99, 0, 7)]
     dealer.send(b"NONSENSE")
     dealer.send_multipart([b"NEED", b"1"])  # the version is 8 bytes
     dealer.send(b"LATEST")
-    assert dealer.poll(5000) and dealer.recv_multipart()[0] == b"ANNOUNCE"
+    assert dealer.poll(WAIT_MS) and dealer.recv_multipart()[0] == b"ANNOUNCE"  # after the two bad ones
     assert publisher.stats()["bad_requests"] == 2
     for _ in range(2):  # hashed on the first request, then answered from what is known
         dealer.send_multipart([b"NEED", struct.pack(">Q", 1)])
-        assert dealer.poll(5000)
+        assert dealer.poll(WAIT_MS)
         kind, header, _ = dealer.recv_multipart()
         assert kind == b"ANNOUNCE" and WeightHeader.from_bytes(header).has_checksums
     dealer.close(linger=0)
-    while not publisher.stats()["spare_ready"]:  # its background allocation would skew the count
-        time.sleep(0.01)
+    wait_until(lambda: publisher.stats()["spare_ready"])  # its background allocation would skew the count
     before = memfds()
     with WeightPublisher(keep=1) as pub:
         for v in (1, 2, 3):
             pub.publish(weights(v), v)
-        while not pub.stats()["spare_ready"]:  # retiring runs in the background, before the spare
-            time.sleep(0.01)
+        wait_until(lambda: pub.stats()["spare_ready"])  # retiring runs in the background, before the spare
         assert len(memfds() - before) <= 2  # the newest version + the pre-allocated spare
     assert memfds() <= before  # close releases every payload
 
 
 def test_in_memory_twin_has_the_same_contract():
-    ch = InMemoryWeightChannel(chunk_mb=CHUNK_MB)
+    assert weight_publisher.InMemoryWeightChannel is weight_channel.InMemoryWeightChannel  # re-exported
+    ch = weight_channel.InMemoryWeightChannel(chunk_mb=CHUNK_MB)
     other = ch.sink()
     assert ch.poll() is None
     tensors = weights(1)
@@ -292,146 +252,3 @@ def test_in_memory_twin_has_the_same_contract():
     assert_weights(ch.poll(timeout_ms=10), 3)
     with pytest.raises(ValueError, match="not newer"):
         ch.publish(weights(2), 2)
-
-
-@pytest.fixture
-def hash_gate(monkeypatch):
-    """Holds every background hash (after it has taken its payload) until `gate.set()`; `entered` is set
-    once a hash is waiting. The checksum-less announcement is then the only one out."""
-    gate, entered = threading.Event(), threading.Event()
-    real = weight_publisher.add_checksums
-
-    def gated(*args, **kwargs):
-        entered.set()
-        assert gate.wait(20), "hash gate never opened"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(weight_publisher, "add_checksums", gated)
-    yield gate, entered
-    gate.set()
-
-
-def test_unhashed_announcement_is_used_only_over_sealed_shared_memory(publisher, subscriber, hash_gate):
-    gate, entered = hash_gate
-    shm = subscriber(publisher.endpoint)
-    tcp = subscriber(publisher.endpoint, transport="tcp")
-    checked = subscriber(publisher.endpoint, verify_sealed=True)
-    publisher.publish(weights(1), 1)
-    assert_weights(shm.poll(5000), 1)  # no checksum exists: the sealed memfd needs none
-    stats = shm.stats()
-    assert (stats["transport"], stats["verified"], stats["unhashed"]) == ("shm", "sealed", 1)
-    late_shm = subscriber(publisher.endpoint)  # LATEST answers with the checksum-less announcement too
-    assert_weights(late_shm.poll(5000), 1)
-    assert not entered.is_set() and not publisher.stats()["hashing"]  # nobody needed checksums yet
-    for sub in (tcp, checked):  # set aside, not rejected: they ask for the checksums and wait
-        assert sub.poll(300) is None
-        stats = sub.stats()
-        assert (stats["version"], stats["rejected"], stats["received"]) == (-1, 0, 0), stats
-        assert stats["waited_for_checksums"] >= 1
-    assert entered.wait(5) and publisher.stats()["hashing"]  # hashing on request (held here)
-    assert publisher.stats()["chunks_served"] == 0
-    gate.set()  # the same version, announced again with checksums
-    assert_weights(tcp.poll(5000), 1)
-    assert_weights(checked.poll(5000), 1)
-    for sub, transport in ((tcp, "tcp"), (checked, "shm")):
-        stats = sub.stats()
-        assert (stats["transport"], stats["verified"], stats["unhashed"]) == (transport, "checksums", 0)
-    # The checksummed announcement of the version it already holds: nothing is applied twice.
-    assert shm.poll(300) is None
-    assert shm.stats()["received"] == 1
-    assert publisher.stats()["chunks_served"] == 3  # the tcp subscriber's, after the checksums
-
-
-def test_while_the_newest_is_hashed_tcp_subscribers_fetch_nothing_older(subscriber, hash_gate):
-    gate, entered = hash_gate
-    with WeightPublisher(chunk_mb=CHUNK_MB, keep=2) as pub:
-        gate.set()
-        pub.publish(weights(1), 1)
-        first = subscriber(pub.endpoint, transport="tcp")
-        assert_weights(first.poll(5000), 1)  # v1 was hashed and announced with checksums
-        gate.clear()
-        entered.clear()
-        pub.publish(weights(2), 2)
-        late_tcp = subscriber(pub.endpoint, transport="tcp")
-        late_shm = subscriber(pub.endpoint)
-        assert_weights(late_shm.poll(5000), 2)  # LATEST answers with the newest: mapped at once
-        assert late_shm.stats()["unhashed"] == 1
-        for sub in (late_tcp, first):  # v2's checksums are asked for: v1 (still held) is not fetched
-            assert sub.poll(300) is None and sub.stats()["waited_for_checksums"] >= 1
-        assert entered.is_set()  # v2 is being hashed (held)
-        assert late_tcp.stats()["received"] == 0 and pub.stats()["chunks_served"] == 3  # first's v1 only
-        gate.set()
-        for sub in (late_tcp, first):
-            assert_weights(sub.poll(5000), 2)
-            assert sub.stats()["rejected"] == 0
-
-
-def test_retiring_a_version_while_it_is_hashed_is_clean(subscriber, hash_gate):
-    gate, entered = hash_gate
-    before = memfds()
-    with WeightPublisher(chunk_mb=CHUNK_MB, keep=1) as pub:
-        tcp = subscriber(pub.endpoint, transport="tcp")
-        pub.publish(weights(1), 1)
-        assert tcp.poll(300) is None and entered.wait(5)  # v1's hash, on request, holds its payload
-        pub.publish(weights(2), 2)  # keep=1: v1 is retired in the background...
-        pub._store._retire()  # ...and here too, so that it surely is (white box)
-        gate.set()  # v1's hash finishes over the mapping it holds, and is not announced: v1 is gone
-        assert_weights(tcp.poll(5000), 2)
-        assert (tcp.stats()["received"], tcp.stats()["gone"], tcp.stats()["rejected"]) == (1, 0, 0)
-        assert tcp.poll(200) is None
-    assert memfds() <= before
-
-
-def test_a_hash_superseded_before_it_starts_is_skipped(subscriber, monkeypatch):
-    real, hashed = weight_publisher.add_checksums, []
-    entered, go = threading.Semaphore(0), threading.Semaphore(0)
-
-    def gated(header, payload, map_fn):
-        entered.release()
-        assert go.acquire(timeout=20)
-        out = real(header, payload, map_fn)
-        hashed.append(out.version)
-        return out
-
-    monkeypatch.setattr(weight_publisher, "add_checksums", gated)
-    with WeightPublisher(chunk_mb=CHUNK_MB, keep=2) as pub:
-        tcp = subscriber(pub.endpoint, transport="tcp")
-        pub.publish(weights(1), 1)
-        assert tcp.poll(300) is None and entered.acquire(timeout=5)  # asked for v1's: hashing, held
-        pub.publish(weights(2), 2)
-        assert tcp.poll(300) is None  # asks for v2's: queued behind v1's
-        pub.publish(weights(3), 3)  # v2 is superseded before its hash starts
-        go.release()
-        assert tcp.poll(300) is None and entered.acquire(timeout=5)  # asks for v3's: the next to start
-        go.release()
-        assert_weights(tcp.poll(5000), 3)  # v1's checksums went out too, but v3's were due
-        assert hashed == [1, 3]
-        assert (tcp.stats()["received"], tcp.stats()["rejected"]) == (1, 0)
-
-
-def test_closing_during_a_background_hash_is_clean(subscriber, monkeypatch):
-    before = memfds()
-    started, finished, seen = threading.Event(), threading.Event(), []
-    real = weight_publisher.add_checksums
-    pub = WeightPublisher(chunk_mb=CHUNK_MB, threads=1)  # 3 chunks, at least 3 pieces, one at a time
-    closing = pub._store._stop  # white box: what close() sets before it waits for the hash
-
-    def piece(fn, p):  # each piece lasts until close() has begun
-        started.set()
-        seen.append(closing.wait(20))
-        return fn(p)
-
-    def slow(header, payload, map_fn):
-        out = real(header, payload, lambda fn, items: map_fn(functools.partial(piece, fn), items))
-        finished.set()
-        return out
-
-    monkeypatch.setattr(weight_publisher, "add_checksums", slow)
-    tcp = subscriber(pub.endpoint, transport="tcp")
-    pub.publish(weights(1), 1)
-    assert tcp.poll(300) is None and started.wait(5)  # it asked for the checksums
-    pub.close()  # stops the hash after the piece under way, then releases everything
-    assert seen == [True] and not finished.is_set()
-    assert memfds() <= before
-    with pytest.raises(RuntimeError, match="closed"):
-        pub.publish(weights(2), 2)

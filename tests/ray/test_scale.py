@@ -9,7 +9,7 @@ from configs.schema import to_dict
 from launch.cmd_scale import request_scale
 from launch.ray_run import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
-from storage.replay_store import verify_store
+from storage.store_verify import verify_store
 
 pytestmark = pytest.mark.ray
 

@@ -33,7 +33,7 @@ def test_sampler_backup_learner_round_trip_through_the_actor(ray_local, tmp_path
     trees = [make_tree(i) for i in range(4)]
     assert ray.get(store.admit.remote(10)) == 4  # (1 + 0 + 1) * 2 - 0
     ray.get(store.put_raw.remote(encode_ipc(trees)))
-    raw = decode_ipc(ray.get(store.take_raw.remote(3)))
+    raw = decode_ipc(ray.get(store.lease_raw_ipc.remote(3)))
     assert [t.tree_id for t in raw] == ["t0", "t1", "t2"] and raw[0].equals(trees[0])
     ray.get(store.put_credited.remote(encode_ipc([credited(t) for t in raw])))
     buf = ray.get(store.take_batch_ipc.remote(2))
@@ -41,7 +41,7 @@ def test_sampler_backup_learner_round_trip_through_the_actor(ray_local, tmp_path
     assert [f.tree_ids for f in flat_batches(table)] == [["t0", "t1"]]
     assert decode_trees(table)[1].equals(credited(trees[1]))
     assert ray.get(store.take_batch_ipc.remote(2)) is None  # t2 alone: no partial batch
-    assert ray.get(store.consumed_watermark.remote()) == 1
+    assert ray.get(store.watermark.remote()) == 1
     stats = ray.get(store.stats.remote())
     assert stats["trees"]["consumed"] == 2 and stats["trees"]["raw"] == 1
     ray.get(store.close.remote())

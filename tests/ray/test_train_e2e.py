@@ -11,7 +11,7 @@ import pytest
 from configs.schema import load_config
 from launch.ray_run import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink, TensorboardSink, read_scalars
-from storage.replay_store import verify_store
+from storage.store_verify import verify_store
 
 pytestmark = pytest.mark.ray
 

@@ -160,6 +160,34 @@ def refresh_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+def wait_for_gcs(head: Node, gcs_port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        head.check_alive()
+        try:
+            socket.create_connection((NODE_IP, gcs_port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.time() > deadline:
+                raise TimeoutError(f"head GCS not up in {timeout_s} s:\n{log_tail(head.log)}") from None
+            time.sleep(0.2)
+
+
+def wait_for_pools(nodes: list[Node], want: set[str], timeout_s: float = 60.0) -> None:
+    import ray
+
+    deadline = time.time() + timeout_s
+    while True:
+        pools = {k for n in ray.nodes() if n["Alive"] for k in n["Resources"] if k.startswith("pool_")}
+        if want <= pools:
+            return
+        for node in nodes:
+            node.check_alive()
+        if time.time() > deadline:
+            raise TimeoutError(f"worker node not up in {timeout_s} s:\n{log_tail(nodes[-1].log)}")
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     import ray
@@ -184,16 +212,7 @@ def two_nodes():
         head_args = ["--port", str(gcs_port), "--pool", "train=4", "--num-cpus", "2"]
         head_args += ["--dashboard-port", str(free_port())]
         nodes.append(Node("head", head_args, tmp, env, [f"--ray-client-server-port={free_port()}"]))
-        deadline = time.time() + 60
-        while True:
-            nodes[0].check_alive()
-            try:
-                socket.create_connection((NODE_IP, gcs_port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise TimeoutError(f"head GCS not up in 60 s:\n{log_tail(nodes[0].log)}") from None
-                time.sleep(0.2)
+        wait_for_gcs(nodes[0], gcs_port)
         address = f"{NODE_IP}:{gcs_port}"
         print(f"head GCS up in {time.perf_counter() - t0:.1f} s")
         worker_args = ["--address", address, "--pool", "sample=4", "--num-cpus", "3"]
@@ -202,16 +221,7 @@ def two_nodes():
         init_ray()
         mp.delenv("RAY_ADDRESS")
         print(f"driver connected in {time.perf_counter() - t0:.1f} s")
-        deadline = time.time() + 60
-        while True:
-            pools = {k for n in ray.nodes() if n["Alive"] for k in n["Resources"] if k.startswith("pool_")}
-            if {"pool_train", "pool_sample"} <= pools:
-                break
-            for node in nodes:
-                node.check_alive()
-            if time.time() > deadline:
-                raise TimeoutError(f"worker node not up in 60 s:\n{log_tail(nodes[1].log)}")
-            time.sleep(0.2)
+        wait_for_pools(nodes, {"pool_train", "pool_sample"})
         print(f"two-node cluster at {address} up in {time.perf_counter() - t0:.1f} s")
         yield {"address": address, "tmp": tmp}
     finally:
@@ -238,7 +248,6 @@ def pool_node(pool: str) -> str:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tmp_path, tiny_model_dir):
-    import ray
 
     from launch.pools import actor_nodes, check_pools, pool_nodes
     from launch.ray_run import Driver, start_topology, stop_topology
@@ -256,12 +265,10 @@ def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tm
         # every sampler constructed and answering (one alone may have filled the first batch)
         alive = [r.ok for r in topo.manager.foreach_actor("pid", timeout_seconds=120)]
         assert alive == [True, True]
-        # The state API is served by the dashboard (ray[default]); without it, the GCS actor table.
-        have_state_api = ray._private.utils.get_dashboard_dependency_error() is None
-        where = actor_nodes(fallback=not have_state_api)
+        where = actor_nodes()  # the state API, served by the dashboard (ray[default])
     finally:
         stop_topology(topo)
-    print(f"topology + 1 step: {time.perf_counter() - t0:.1f} s; state API: {have_state_api}")
+    print(f"topology + 1 step: {time.perf_counter() - t0:.1f} s")
     assert where["SamplerActor"] == [sample, sample], where
     assert where["LearnerActor"] == [train], where
 

@@ -8,7 +8,7 @@ from test_train_e2e import small_cfg
 
 from launch.ray_run import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
-from storage.replay_store import verify_store
+from storage.store_verify import verify_store
 
 pytestmark = [
     pytest.mark.ray,

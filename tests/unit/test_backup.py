@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from configs.schema import AlgoConfig
-from system.backup import credit_rollout_tree, is_zero_variance, turn_logprob_stats
+from system.credit import credit_rollout_tree, is_zero_variance, turn_logprob_stats
 from system.tree_build import TreeBuilder
 
 

@@ -11,14 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from treegen import random_rewards, random_tree, tree_strategy
 
-from system.credit import (
-    WEIGHT_OPTIONS,
-    backup_credit,
-    backup_weights,
-    leaf_mask,
-    standardize_rewards,
-    tree_depths,
-)
+from system.credit import WEIGHT_OPTIONS, backup_credit, backup_weights, standardize_rewards
+from system.parents import leaf_mask, tree_depths
 from system.reference import ref_backup, ref_standardize
 
 NAN = math.nan

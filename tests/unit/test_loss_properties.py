@@ -1,8 +1,8 @@
-"""Property checks of the TreeOPSD loss on random initialize–expand trees (algorithm.md §6, §7.3–§7.5).
+"""Property checks of the TreeOPSD loss on random initialize–expand trees (docs/algorithm.md §6, §7.3–§7.5).
 
 Policy: a tabular softmax, log π(y | h) = log_softmax(θ[bucket(h)])[y], with θ ∈ R^{buckets × 6}. Buckets are
 shared across turns and trees (so updates interact, as in a real model), except in §7.4 where every token
-gets a private bucket. Trees come from tests/treegen.py, credit from system.teacher.credit_tree
+gets a private bucket. Trees come from tests/treegen.py, credit from system.credit.credit_tree
 (z with ddof = 1 → uniform backup V → τ = (K−1)/(ρ√K) → q = 1/2 + V/τ). Each turn contributes its ℓ_i model
 tokens; every non-terminal turn is followed by observation tokens (turn id −1), and some turns have ℓ_i = 0.
 """
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from treegen import GenTree, random_rewards, random_tree, tree_strategy
 
 from learner.losses import grpo_loss, pg_surrogate_loss, treeopsd_advantages, treeopsd_loss
-from system.teacher import credit_tree
+from system.credit import credit_tree
 
 F64 = torch.float64
 VOCAB = 6
@@ -176,7 +176,7 @@ def test_gradient_identity_off_behavior():
 
 def test_length_weighting_is_what_gives_the_tree_pg():
     # Without ℓ_i the gradient is Σ_i (V_i/τ)(1/ℓ_i) Σ_t ∇log π: long turns are down-weighted, so it is not
-    # the tree PG (algorithm.md §6b reports cosine 0.82–0.85; this batch gives ≈ 0.82).
+    # the tree PG (docs/algorithm.md §6b reports cosine 0.82–0.85; this batch gives ≈ 0.82).
     b = make_batch(seed=11, n_trees=16, rho=0.25, max_len=12)
     theta = torch.zeros(BUCKETS, VOCAB, dtype=F64, requires_grad=True)
     logp = policy_logp(theta, b)

@@ -1,4 +1,4 @@
-"""Hand-worked values for learner.losses / learner.baselines (algorithm.md §5, §8, §10).
+"""Hand-worked values for learner.losses / learner.baselines (docs/algorithm.md §5, §8, §10).
 
 Arithmetic is in the comments; σ = sigmoid, logσ = logsigmoid. Everything float64 unless the test is about
 dtypes.

@@ -8,16 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from treegen import REWARD_KINDS, random_rewards, random_tree, tree_strategy
 
-from system.credit import WEIGHT_OPTIONS, backup_credit, backup_weights, standardize_rewards
-from system.reference import ref_backup, ref_odds_teacher, ref_standardize, ref_tau
-from system.teacher import (
+from system.credit import (
+    WEIGHT_OPTIONS,
     TreeCredit,
-    calibrate_tau,
+    backup_credit,
+    backup_weights,
     credit_tree,
-    global_tau,
-    logistic_teacher,
-    teacher_targets,
+    standardize_rewards,
 )
+from system.reference import ref_backup, ref_odds_teacher, ref_standardize, ref_tau
+from system.teacher import calibrate_tau, global_tau, logistic_teacher, teacher_targets
 
 NAN = math.nan
 

@@ -112,7 +112,7 @@ def test_rejects_wrong_depth_positive_logprob_and_empty_tree():
 
 
 def test_nonfinite_logprobs_are_dropped_and_counted_not_fatal():
-    """algorithm.md §10: a NaN/inf token leaves s_i and ℓ_i; only masked-in tokens count."""
+    """docs/algorithm.md §10: a NaN/inf token leaves s_i and ℓ_i; only masked-in tokens count."""
     nodes = nodes_of(small_tree())
     nodes[1] = make_node(1, 0, 1, [5, 6, 6], [1, 1, 0], [np.nan, -0.2, np.inf], [7])
     t = RolloutTree.build("t", nodes)
@@ -161,7 +161,7 @@ def test_plan_anchors_shortfall():
 
 
 def test_expected_budget_matches_m_times_one_plus_half_n():
-    """algorithm.md §2.3/§7.7: anchors uniform on {1..T−1} ⇒ E[(T−k)/T] = 1/2 ⇒ E[cost] = M(1 + N/2)."""
+    """docs/algorithm.md §2.3/§7.7: anchors uniform on {1..T−1} ⇒ E[(T−k)/T] = 1/2 ⇒ E[cost] = M(1 + N/2)."""
     rng = np.random.default_rng(7)
     for (m, n), expected in {(4, 2): 8.0, (2, 6): 8.0, (2, 2): 4.0, (8, 0): 8.0}.items():
         costs = []

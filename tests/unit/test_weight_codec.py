@@ -1,8 +1,11 @@
 """The weight codec: round trips, the exact header, zero-copy chunks, and every way a message breaks."""
 
 import json
+import re
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from system import weight_wire
 from system.weight_codec import (
     MAGIC,
     TensorSpec,
@@ -17,7 +21,6 @@ from system.weight_codec import (
     WeightHeader,
     WeightMessageError,
     add_checksums,
-    crc32_combine,
     encode_weights,
 )
 
@@ -42,21 +45,6 @@ def with_json(header: bytes, doc: dict) -> bytes:
 def small_message(chunk_bytes=32):
     named = {"a": np.array([1.0, 2.0, 3.0], np.float32), "b": np.array([7, -1], np.int64)}
     return named, *encode_weights(named, version=5, chunk_bytes=chunk_bytes)
-
-
-# ---- crc32_combine ----------------------------------------------------------------------------------------
-def test_crc32_combine_equals_crc_of_the_concatenation():
-    # crc32(b"hello world") == 0x0D4A1185; from the halves "hello " and "world" without rereading bytes.
-    assert crc32_combine(zlib.crc32(b"hello "), zlib.crc32(b"world"), 5) == zlib.crc32(b"hello world")
-    assert zlib.crc32(b"hello world") == 0x0D4A1185
-    assert crc32_combine(0, zlib.crc32(b"xyz"), 3) == zlib.crc32(b"xyz")  # crc of nothing is 0
-    assert crc32_combine(zlib.crc32(b"xyz"), 0, 0) == zlib.crc32(b"xyz")
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.binary(max_size=300), st.binary(max_size=300))
-def test_crc32_combine_property(a, b):
-    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 # ---- round trips ------------------------------------------------------------------------------------------
@@ -105,17 +93,16 @@ def test_exact_header_fields():
     assert magic == b"TOPSDW1\0" and n == len(body) and crc == zlib.crc32(body)
     doc = json.loads(body)
     # a: 3 float32 = 12 bytes at 0; b: 2 int64 = 16 bytes at the next 64-byte boundary; total 64 + 16 = 80;
-    # 32-byte chunks: [0, 32) holds a + 20 zero bytes, [32, 64) is padding, [64, 80) holds b.
+    # 32-byte chunks: [0, 32) holds a + 20 zero bytes, [32, 64) is padding, [64, 80) holds b. Format 2: one
+    # crc32 per chunk (they cover every byte), none per tensor.
     payload = named["a"].tobytes() + bytes(52) + named["b"].tobytes()
     assert doc == {
-        "magic": "TOPSDW1", "format": 1, "version": 5, "checksum": "crc32", "align": 64,
+        "magic": "TOPSDW1", "format": 2, "version": 5, "checksum": "crc32", "align": 64,
         "total_bytes": 80, "chunk_size": 32, "num_chunks": 3,
         "chunk_crc32": [zlib.crc32(payload[0:32]), zlib.crc32(payload[32:64]), zlib.crc32(payload[64:80])],
         "tensors": [
-            {"name": "a", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 12,
-             "crc32": zlib.crc32(named["a"].tobytes())},
-            {"name": "b", "dtype": "int64", "shape": [2], "offset": 64, "nbytes": 16,
-             "crc32": zlib.crc32(named["b"].tobytes())},
+            {"name": "a", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 12},
+            {"name": "b", "dtype": "int64", "shape": [2], "offset": 64, "nbytes": 16},
         ],
     }  # fmt: skip
     assert b"".join(bytes(c) for c in chunks) == payload
@@ -136,6 +123,22 @@ def test_sink_receives_the_payload_in_one_pass():
     asm = WeightAssembler(header, buf)  # in place: the shared-memory path
     asm.verify_buffer()
     np.testing.assert_array_equal(asm.finish()["w"], w)
+
+
+def test_sink_padding_is_zeroed_and_a_thread_pool_changes_nothing():
+    named = {"a": np.ones(3, np.float32), "b": np.arange(40, dtype=np.int16), "c": np.int8(-1)}
+    serial, chunks = encode_weights(named, 2, chunk_bytes=48)
+    dirty = bytearray(b"\xaa" * 300)  # a reused buffer: the padding must still come out zero
+    with ThreadPoolExecutor(3) as pool:
+        pooled, _ = encode_weights(named, 2, 48, sink=lambda n: dirty, map_fn=pool.map)
+        bare, _ = encode_weights(named, 2, 48, map_fn=pool.map, checksums=False)
+        assert add_checksums(bare, dirty, map_fn=pool.map).to_bytes() == serial
+        asm = WeightAssembler(serial, dirty)
+        asm.verify_buffer(pool.map)
+    # a [0, 12), b [64, 144), c [192, 193): padding [12, 64) and [144, 192) zeroed; past byte 193 untouched
+    assert pooled == serial and bytes(dirty[:193]) == b"".join(bytes(c) for c in chunks)
+    assert dirty[12:64] == bytes(52) and dirty[144:192] == bytes(48) and dirty[193:] == b"\xaa" * 107
+    assert asm.finish()["b"].tolist() == list(range(40))
 
 
 def test_encode_rejects_bad_input():
@@ -161,6 +164,25 @@ def test_any_layout_round_trips_and_any_flipped_byte_is_caught(sizes, chunk, dat
         bad[data.draw(st.integers(0, len(bad) - 1))] ^= 0x01
         with pytest.raises(WeightMessageError, match=f"chunk {k} .*checksum mismatch"):
             decode(header, [*chunks[:k], bad, *chunks[k + 1 :]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=5), st.integers(1, 150), st.data())
+def test_any_flipped_payload_byte_names_its_chunk_in_place(sizes, chunk, data):
+    """Chunks cover every byte, padding included: a flip anywhere in a buffer verified in place (the
+    shared-memory path, over a thread pool) is caught, and the error names the chunk holding that byte."""
+    named = {f"t{i}": np.full(n, i + 1, np.uint8) for i, n in enumerate(sizes)}
+    header, chunks = encode_weights(named, 3, chunk_bytes=chunk)
+    payload = bytearray(b"".join(bytes(c) for c in chunks))
+    if not payload:
+        return
+    at = data.draw(st.integers(0, len(payload) - 1))
+    payload[at] ^= 0x40
+    k = at // chunk
+    lo, hi = k * chunk, min((k + 1) * chunk, len(payload))
+    with ThreadPoolExecutor(2) as pool, pytest.raises(WeightMessageError) as err:
+        WeightAssembler(header, payload).verify_buffer(pool.map)
+    assert f"v3: chunk {k} ({lo}, {hi}) checksum mismatch" in str(err.value)
 
 
 # ---- every corruption -------------------------------------------------------------------------------------
@@ -225,8 +247,8 @@ def test_truncated_header():
 
 
 def test_duplicate_names():
-    spec = TensorSpec("w", "float32", (1,), 0, 4, zlib.crc32(bytes(4)))
-    twice = WeightHeader(1, (spec, TensorSpec("w", "float32", (1,), 64, 4, 0)), 68, 68, (0,))
+    spec = TensorSpec("w", "float32", (1,), 0, 4)
+    twice = WeightHeader(1, (spec, TensorSpec("w", "float32", (1,), 64, 4)), 68, 68, (0,))
     with pytest.raises(WeightMessageError, match="duplicate or empty tensor name 'w'"):
         WeightHeader.from_bytes(twice.to_bytes())
 
@@ -255,12 +277,20 @@ def test_inconsistent_header_fields_are_named():
         WeightHeader.from_bytes(with_json(header, doc))
 
 
-def test_tensor_checksum_mismatch_with_good_chunks():
+def test_a_format_1_header_is_rejected_clearly():
     _, header, chunks = small_message()
     doc = header_json(header)
-    doc["tensors"][0]["crc32"] ^= 1  # chunk checksums still match the bytes; the tensor's does not
-    with pytest.raises(WeightMessageError, match="tensor 'a' checksum mismatch"):
-        decode(with_json(header, doc), chunks)
+    doc["format"] = 1  # the old layout: a crc32 per tensor as well
+    for t in doc["tensors"]:
+        t["crc32"] = 0
+    with pytest.raises(
+        WeightMessageError, match="header format 1 is not supported: this reader takes format 2"
+    ):
+        WeightAssembler(with_json(header, doc))
+    doc["format"] = 3
+    with pytest.raises(WeightMessageError, match="header format 3 is not supported"):
+        WeightHeader.from_bytes(with_json(header, doc))
+    assert decode(header, chunks)["b"].tolist() == [7, -1]  # format 2 itself is fine
 
 
 def test_in_place_buffer_corruption_and_truncation():
@@ -283,9 +313,8 @@ def test_header_without_checksums_round_trips_and_add_checksums_completes_it():
     )
     doc = header_json(bare)
     assert doc["checksum"] == "none" and doc["chunk_crc32"] == [] and doc["num_chunks"] == 3
-    assert [t["crc32"] for t in doc["tensors"]] == [0, 0]
-    assert {k: v for k, v in doc.items() if k not in ("checksum", "chunk_crc32", "tensors")} == {
-        k: v for k, v in header_json(full).items() if k not in ("checksum", "chunk_crc32", "tensors")
+    assert {k: v for k, v in doc.items() if k not in ("checksum", "chunk_crc32")} == {
+        k: v for k, v in header_json(full).items() if k not in ("checksum", "chunk_crc32")
     }  # the same layout
     h = WeightHeader.from_bytes(bare)
     assert not h.has_checksums and h.chunk_crc32 == () and h.to_bytes() == bare
@@ -303,17 +332,13 @@ def test_header_without_checksums_is_validated():
     doc["chunk_crc32"] = [0, 0, 0]  # "none" carries none
     with pytest.raises(WeightMessageError, match="num_chunks/chunk_crc32 disagree"):
         WeightHeader.from_bytes(with_json(bare, doc))
-    doc = header_json(bare)
-    doc["tensors"][1]["crc32"] = 12345
-    with pytest.raises(WeightMessageError, match="checksum 'none' but a tensor carries a crc32"):
-        WeightHeader.from_bytes(with_json(bare, doc))
     doc = header_json(full)
     doc["chunk_crc32"] = []  # "crc32" with no chunk checksums: a stripped header, not a checksum-less one
     with pytest.raises(WeightMessageError, match="num_chunks/chunk_crc32 disagree"):
         WeightHeader.from_bytes(with_json(full, doc))
     doc = header_json(bare)
     doc["checksum"] = "md5"
-    with pytest.raises(WeightMessageError, match="unsupported format 1/'md5'"):
+    with pytest.raises(WeightMessageError, match="unsupported checksum 'md5'"):
         WeightHeader.from_bytes(with_json(bare, doc))
     broken = bytearray(bare)
     broken[30] ^= 0x01
@@ -339,3 +364,16 @@ def test_assembler_verifies_nothing_against_a_header_without_checksums():
     assert out["a"].tolist() == [1.0, 2.0, 3.0] and out["b"].tolist() == [7, -1]
     with pytest.raises(WeightMessageError, match="payload truncated: 79 of 80 bytes"):
         WeightAssembler(bare, payload[:79])
+
+
+# ---- the wire format is defined once ----------------------------------------------------------------------
+def test_the_wire_format_is_defined_once():
+    """Magic, frame kinds and structs live in system/weight_wire.py; nothing else spells them out."""
+    root = Path(__file__).resolve().parents[2]
+    kinds = re.compile(r'b"(LATEST|ANNOUNCE|NONE|GET|CHUNK|GONE|NEED|BYE)"')
+    users = ("system/weight_codec.py", "system/weight_channel.py")
+    for path in (*users, "learner/weight_publisher.py", "actors/weight_subscriber.py"):
+        src = (root / path).read_text()
+        assert "struct.Struct(" not in src and "TOPSDW" not in src and not kinds.search(src), path
+    assert (weight_wire.HEADER_PREFIX.size, weight_wire.META.size, weight_wire.VERSION.size) == (16, 16, 8)
+    assert weight_wire.MAGIC == MAGIC == b"TOPSDW1\0" and weight_wire.FORMAT == 2

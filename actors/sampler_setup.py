@@ -1,0 +1,132 @@
+"""Building the sampler's parts from a Config: environment, task splits, policy backend, loop limits, and
+the sampler role itself (`build_sampler`). Construction only; the role's work is in actors/tree_sampler.py.
+
+    sampler = build_sampler(cfg, model_path, index=0, store=store, weights=sink)
+    sampler.sample_and_commit(4)                    # 4 admitted prompts → 4 trees in the store
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from actors.agent_loop import LoopLimits
+from actors.chat import ChatFormat
+from actors.envs.base import Environment, Task
+from actors.tree_sampler import TreeSampler, TreeShape
+from configs.schema import Config
+from system.interfaces import StoreClient, WeightSink
+from system.policy import PolicyBackend, SamplingConfig
+
+
+def build_env(cfg: Config) -> Environment:
+    """The configured environment (the synthetic KB by default)."""
+    from actors.envs import make_env
+
+    e = cfg.env
+    if e.name == "synthetic_kb":
+        from actors.envs.synthetic_kb import KBConfig
+
+        return make_env(e.name, config=KBConfig(seed=e.seed), topk=e.topk, max_turns=e.max_turns)
+    if e.corpus is None:
+        raise ValueError(f"env.corpus must name a local corpus file for env.name={e.name}")
+    return make_env(e.name, corpus=e.corpus, topk=e.topk, max_turns=e.max_turns)
+
+
+def load_split(cfg: Config, split: str, env: Environment | None = None) -> list[Task]:
+    """Training or evaluation tasks. Synthetic KB: train on `env.train_hops`, evaluate on `env.eval_hops`."""
+    from actors.envs import load_tasks
+
+    e = cfg.env
+    if e.name == "synthetic_kb":
+        from actors.envs.synthetic_kb import KBConfig
+
+        if split == "train":
+            return load_tasks(e.name, "train", config=KBConfig(seed=e.seed), hops=e.train_hops)
+        hops = tuple(range(e.eval_hops[0], e.eval_hops[1] + 1))
+        return load_tasks(e.name, "eval", config=KBConfig(seed=e.seed), hops=hops)
+    path = e.data if split == "train" else (e.eval_data or e.data)
+    if path is None:
+        raise ValueError(f"env.data must name a local dataset file for env.name={e.name}")
+    return load_tasks(e.name, split, path=path)
+
+
+def build_backend(
+    cfg: Config, model_path: str, greedy: bool = False, seed: int | None = None
+) -> PolicyBackend:
+    temperature = 0.0 if greedy else cfg.sampler.temperature
+    sampling = SamplingConfig(temperature=temperature, top_p=cfg.sampler.top_p, seed=seed)
+    if cfg.sampler.backend == "vllm":
+        from actors.policy.vllm_backend import VLLMBackend
+
+        return VLLMBackend(model_path, sampling=sampling, dtype=cfg.model.dtype, seed=seed)
+    from actors.policy.hf_backend import HFBackend
+
+    return HFBackend(model_path, threads=cfg.model.threads, sampling=sampling)
+
+
+def loop_limits(cfg: Config) -> LoopLimits:
+    return LoopLimits(
+        max_turns=cfg.env.max_turns,
+        max_turn_tokens=cfg.env.max_turn_tokens,
+        token_budget=cfg.env.token_budget,
+        mask_truncated_turn=cfg.algo.mask_truncated_turn,
+        on_verifier_error=cfg.algo.on_verifier_error,
+    )
+
+
+def tree_shape(cfg: Config) -> TreeShape:
+    a = cfg.algo
+    return (
+        TreeShape(M=a.M, N=a.N, anchor_shortfall=a.anchor_shortfall)
+        if a.is_tree_method
+        else TreeShape(a.G, 0)
+    )
+
+
+def sampler_seed(cfg: Config, index: int, incarnation: int = 0) -> int:
+    """Each sampler (and each restart of it) gets its own stream; engines (vLLM) need a seed below 2**31."""
+    return (cfg.run.seed * 1000 + index * 17 + incarnation * 7919) % (2**31 - 1)
+
+
+def sampler_parts(
+    cfg: Config, model_path: str, index: int = 0, incarnation: int = 0, backend: PolicyBackend | None = None
+) -> dict[str, Any]:
+    """`TreeSampler`'s constructor arguments from the config: backend (unless given), environment, training
+    split, chat format, limits, its own RNG stream and tree-id prefix."""
+    seed = sampler_seed(cfg, index, incarnation)
+    backend = backend or build_backend(cfg, model_path, seed=seed)
+    env = build_env(cfg)
+    tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
+    return {
+        "backend": backend,
+        "env": env,
+        "chat": ChatFormat.from_tokenizer(tokenizer),
+        "shape": tree_shape(cfg),
+        "limits": loop_limits(cfg),
+        "tasks": load_split(cfg, "train", env),
+        "rng": np.random.default_rng(seed),
+        "prefix": f"s{index}i{incarnation}",
+    }
+
+
+def build_sampler(
+    cfg: Config,
+    model_path: str,
+    index: int = 0,
+    incarnation: int = 0,
+    *,
+    store: StoreClient | None = None,
+    weights: WeightSink | None = None,
+    backend: PolicyBackend | None = None,
+) -> TreeSampler:
+    """The sampler role; `store` and `weights` are where its trees go and where its weights come from."""
+    parts = sampler_parts(cfg, model_path, index, incarnation, backend)
+    return TreeSampler(**parts, store=store, weights=weights)
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)

@@ -1,0 +1,60 @@
+"""What the learner logs about each mini-batch and step (pure torch; called by learner/learner.py's loop):
+
+mismatch_sums(packed, logp)       Σ k1, Σ k3, n: sampler vs learner log-probs on the owned loss tokens
+turn_diagnostics(packed, logp)    TreeOPSD's per-turn view for every method (|s|, overshoot, KL to target)
+summarize_minibatches(per_mb)     the step's `learner/...` scalars, per mini-batch index and overall
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from learner.losses import treeopsd_loss
+from learner.packing import PackedBatch
+
+
+def mismatch_sums(packed: PackedBatch, logp: torch.Tensor) -> tuple[float, float, int]:
+    """(Σ k1, Σ k3, n) over owned loss tokens with finite μ: k1 = log μ − log π, k3 = r − 1 − log r."""
+    on = packed.owned & packed.effective_mask
+    d = (logp[on] - packed.behavior_logp[on]).double()  # log r = log π − log μ
+    return float((-d).sum()), float((torch.expm1(d) - d).sum()), int(on.sum())
+
+
+def turn_diagnostics(packed: PackedBatch, logp: torch.Tensor) -> dict[str, float]:
+    """TreeOPSD's per-turn view for every method: mean |s|, overshoot fraction, KL to the teacher."""
+    on = packed.owned & (packed.turn_ids >= 0)
+    turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
+    _, st = treeopsd_loss(logp.flatten(), packed.behavior_logp.flatten(), turn_ids, packed.q)
+    keys = ["mean_abs_s", "max_abs_s", "num_tokens", "nonfinite_tokens"]
+    if packed.credited:  # relative to a teacher only when there is one (baselines may skip the backup)
+        keys += ["overshoot_frac", "kl_to_target"]
+    return {k: st[k] for k in keys}
+
+
+def summarize_minibatches(per_mb: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, st in enumerate(per_mb):
+        for key in ("loss", "mean_abs_s", "overshoot_frac", "kl_to_target", "grad_norm", "clip_frac"):
+            if key in st:
+                out[f"learner/mb{k}/{key}"] = st[key]
+        for key in ("mismatch_kl", "mismatch_kl_k3"):
+            if key in st:
+                out[f"learner/{key}"] = st[key]
+    if not per_mb:
+        return {"learner/loss": 0.0, "learner/grad_norm": 0.0, "learner/tokens": 0.0}
+    n_tok = sum(st["num_tokens"] for st in per_mb)
+    if all("kl_to_target" in st for st in per_mb):
+        kl = sum(st["kl_to_target"] * st["num_tokens"] for st in per_mb) / max(n_tok, 1.0)
+        out["learner/kl_to_target"] = kl
+    out.update(
+        {
+            "learner/loss": float(np.mean([st["loss"] for st in per_mb])),
+            "learner/grad_norm": float(np.mean([st["grad_norm"] for st in per_mb])),
+            "learner/tokens": float(sum(st["tokens"] for st in per_mb)),
+            "learner/loss_tokens": float(n_tok),
+            "learner/max_abs_s": float(max(st["max_abs_s"] for st in per_mb)),
+            "learner/nonfinite_tokens": float(sum(st["nonfinite_tokens"] for st in per_mb)),
+        }
+    )
+    return out

@@ -1,0 +1,43 @@
+"""Bad configuration through the user-facing path: `treeopsd train ...` exits 2 with one line naming the
+dotted key and what it allows, before anything starts (no run directory, no Ray, no model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("learner.checkpoint_every=0", "learner.checkpoint_every = 0 is invalid: expected an integer >= 1"),
+        ("algo.rho=0.7", "algo.rho = 0.7 is invalid: expected a number in the open interval (0, 1/2)"),
+        ("sampler.backend=tgi", "sampler.backend = 'tgi' is invalid: allowed values are 'hf', 'vllm'"),
+        ("env.token_budget=0", "env.token_budget = 0 is invalid: expected an integer >= 1"),
+    ],
+)
+def test_train_rejects_a_bad_value_before_anything_starts(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launch.cli", "train", "--run-dir", str(run_dir), override]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"treeopsd train: {message}"  # one line, no traceback
+    assert not run_dir.exists()  # nothing was prepared, let alone started
+
+
+def test_train_never_reaches_ray_with_a_bad_config(monkeypatch, tmp_path, capsys):
+    import launch.ray_run
+    from launch.cli import main
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Ray was started for a config that fails validation")
+
+    monkeypatch.setattr(launch.ray_run, "init_ray", forbidden)
+    monkeypatch.setattr(launch.ray_run, "start_topology", forbidden)
+    assert main(["train", "--run-dir", str(tmp_path / "r"), "learner.epochs=0"]) == 2
+    assert "learner.epochs = 0 is invalid: expected an integer >= 1" in capsys.readouterr().err

@@ -1,0 +1,73 @@
+"""Shared by the weight broadcast tests (test_weight_broadcast.py, test_weight_hashing.py): the weights and
+their check, publisher/subscriber fixtures, the payload memfds this process holds, and `idle_until`.
+
+Fixtures are taken into a test module by assignment (``publisher = weight_fixtures.publisher``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from actors.weight_subscriber import WeightSubscriber
+from learner.weight_publisher import WeightPublisher
+from tests.waiting import wait_until
+
+CHUNK_MB = 1 / 64  # 16 KiB chunks: the ~40 KiB payload below spans three
+WAIT_MS = 30_000  # for what must come: a poll returns as soon as it does
+
+
+def weights(step: int) -> dict:
+    return {
+        "embed": torch.full((64, 160), float(step)),  # 40 KiB: 3 chunks with the norm and count
+        "norm": torch.arange(7, dtype=torch.bfloat16) * step,
+        "count": np.int64(step),
+    }
+
+
+def assert_weights(got, version: int) -> None:
+    assert got is not None and got[0] == version, got
+    want = weights(version)
+    np.testing.assert_array_equal(got[1]["embed"], want["embed"].numpy())
+    assert torch.equal(got[1]["norm"], want["norm"]) and int(got[1]["count"]) == version
+
+
+def idle_until(sub: WeightSubscriber, pred, timeout_s: float = 30.0) -> None:
+    """Poll `sub`, which must apply no version meanwhile, until `pred()` holds (at most `timeout_s`)."""
+
+    def step():
+        got = sub.poll(20)
+        assert got is None, f"applied v{got[0]} while waiting"
+        return pred()
+
+    wait_until(step, timeout_s, interval_s=0)
+
+
+def memfds() -> set[int]:
+    """Inodes of the payload memfds this process holds open (a mapping holds its own descriptor too)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # e.g. the descriptor listdir itself used
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:treeopsd"):
+                inodes.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+    return inodes
+
+
+@pytest.fixture
+def publisher():
+    pub = WeightPublisher(chunk_mb=CHUNK_MB)
+    yield pub
+    pub.close()
+
+
+@pytest.fixture
+def subscriber():
+    """Factory: WeightSubscriber(...) closed at teardown even when the test fails."""
+    made = []
+    yield lambda *a, **kw: made.append(WeightSubscriber(*a, **kw)) or made[-1]
+    for sub in made:
+        sub.close()
