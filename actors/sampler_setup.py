@@ -21,21 +21,29 @@ from system.policy import PolicyBackend, SamplingConfig
 
 
 def build_env(cfg: Config) -> Environment:
-    """The configured environment (the synthetic KB by default)."""
+    """The configured environment (the synthetic KB by default). With `env.retriever = service` its search
+    tool asks the shared retrieval service (`actors/envs/retrieval_client.py`) instead of an own index."""
     from actors.envs import make_env
+    from actors.envs.retrieval_client import service_client
 
     e = cfg.env
+    index = service_client(e)  # None: the environment builds its in-process BM25 index
     if e.name == "synthetic_kb":
         from actors.envs.synthetic_kb import KBConfig
 
-        return make_env(e.name, config=KBConfig(seed=e.seed), topk=e.topk, max_turns=e.max_turns)
+        kb = KBConfig(seed=e.seed)
+        return make_env(e.name, config=kb, topk=e.topk, max_turns=e.max_turns, index=index)
+    if e.name == "multihop_qa" and index is not None:  # the corpus lives in the service
+        return make_env(e.name, corpus_index=index, topk=e.topk, max_turns=e.max_turns)
     if e.corpus is None:
         raise ValueError(f"env.corpus must name a local corpus file for env.name={e.name}")
-    return make_env(e.name, corpus=e.corpus, topk=e.topk, max_turns=e.max_turns)
+    extra = {} if index is None else {"index": index}  # deep_research keeps its documents for `open`
+    return make_env(e.name, corpus=e.corpus, topk=e.topk, max_turns=e.max_turns, **extra)
 
 
 def load_split(cfg: Config, split: str, env: Environment | None = None) -> list[Task]:
-    """Training or evaluation tasks. Synthetic KB: train on `env.train_hops`, evaluate on `env.eval_hops`."""
+    """Training or evaluation tasks. Synthetic KB: train on `env.train_hops`, evaluate on `env.eval_hops`
+    (`env.eval_per_hop` questions each, from `env.eval_split`: the eval or the validation split)."""
     from actors.envs import load_tasks
 
     e = cfg.env
@@ -45,7 +53,8 @@ def load_split(cfg: Config, split: str, env: Environment | None = None) -> list[
         if split == "train":
             return load_tasks(e.name, "train", config=KBConfig(seed=e.seed), hops=e.train_hops)
         hops = tuple(range(e.eval_hops[0], e.eval_hops[1] + 1))
-        return load_tasks(e.name, "eval", config=KBConfig(seed=e.seed), hops=hops)
+        kb = KBConfig(seed=e.seed)  # eval_split "val": the validation split, disjoint from eval and train
+        return load_tasks(e.name, e.eval_split, config=kb, hops=hops, per_hop=e.eval_per_hop)
     path = e.data if split == "train" else (e.eval_data or e.data)
     if path is None:
         raise ValueError(f"env.data must name a local dataset file for env.name={e.name}")
@@ -55,8 +64,7 @@ def load_split(cfg: Config, split: str, env: Environment | None = None) -> list[
 def build_backend(
     cfg: Config, model_path: str, greedy: bool = False, seed: int | None = None
 ) -> PolicyBackend:
-    temperature = 0.0 if greedy else cfg.sampler.temperature
-    sampling = SamplingConfig(temperature=temperature, top_p=cfg.sampler.top_p, seed=seed)
+    sampling = SamplingConfig.of(cfg.sampler, greedy, seed)
     if cfg.sampler.backend == "vllm":
         from actors.policy.vllm_backend import VLLMBackend
 

@@ -117,6 +117,7 @@ class TreeSampler:
 
     def get_metrics(self) -> dict[str, float]:
         stats = dict(self.stats)
+        stats.update(getattr(self.env, "metrics", dict)())  # e.g. env/retrieval_errors (a retrieval service)
         stats["sampler/version"] = float(self.version())
         elapsed = time.perf_counter() - self.started
         stats["sampler/idle_ratio"] = max(0.0, 1.0 - stats["sampler/busy_s"] / max(elapsed, 1e-9))

@@ -18,6 +18,9 @@ Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 /
     paths_padded_step_s  path-by-path as right-padded rows with the model's own causal sdpa (naive baseline)
     packed_dense_mask_step_s  tree-packed with the dense 4D float mask (eager/sdpa), tiny model only
     tokens_packed, tokens_paths  tokens forwarded per step by each layout
+    packed_speedup_limit tokens_paths / tokens_packed: what packing would give if time were ∝ tokens;
+                         packed_speedup_of_limit = packed_speedup / that limit (goal ≥ 0.9)
+    microbatch_*, attention  token-budget micro-batches and long-tree attention (bench_learner_scale.py)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from actors.policy.tiny_model import build_tiny_model, build_tokenizer
+from benchmarks.bench_learner_scale import attention_scaling, microbatch_overhead
 from configs.schema import parse_config
 from learner.learner import Learner
 from learner.packing import pack_paths
@@ -151,11 +155,20 @@ def run(args) -> dict:
         reps = 1 if quick else (7 if name.startswith("tiny") else 4)
         models[name] = _bench_model(model, trees, reps, dense=name.startswith("tiny") and not quick)
     head = models["tiny_h64_l2"]
+    tokens_packed = int(sum(t.num_tokens for t in trees))
+    tiny = build_tiny_model(tok, hidden=64, layers=2, heads=2, kv_heads=1, max_positions=4096)
+    scale = microbatch_overhead(tiny, trees, reps=1 if quick else 5)
+    attention = attention_scaling((2,) if quick else (2, 8, 32))
     return {
         "packed_step_s": head["packed_step_s"],
         "paths_step_s": head["paths_step_s"],
         "packed_speedup": head["packed_speedup"],
-        "tokens_packed": int(sum(t.num_tokens for t in trees)),
+        "packed_speedup_limit": round(tokens_paths / tokens_packed, 3),  # the speedup if time ∝ tokens
+        "packed_speedup_of_limit": round(head["packed_speedup"] * tokens_packed / tokens_paths, 3),
+        **scale,
+        **_attention_headline(attention),
+        "attention": attention,
+        "tokens_packed": tokens_packed,
         "tokens_paths": tokens_paths,
         "paths_padded_step_s": head["paths_padded_step_s"],
         "packed_speedup_vs_padded": head["packed_speedup_vs_padded"],
@@ -166,3 +179,19 @@ def run(args) -> dict:
         "method": "treeopsd",
         "threads": 1,
     }
+
+
+def _attention_headline(attention: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Flat headline figures of the long-tree attention rows (the largest size with a dense run, the
+    largest size overall)."""
+    dense = [k for k, row in attention.items() if "dense_step_s" in row]
+    out: dict[str, float] = {}
+    if dense:
+        out["attention_dense_over_sparse"] = attention[dense[-1]]["dense_over_sparse_time"]
+        out["attention_dense_over_sparse_at"] = attention[dense[-1]]["tokens"]
+    last = list(attention.values())[-1]
+    out["attention_largest_tokens"] = last["tokens"]
+    out["attention_largest_sparse_step_s"] = last["sparse_step_s"]
+    out["attention_largest_sparse_peak_mb"] = last["sparse_peak_mb"]
+    out["attention_largest_dense_mask_mb"] = round(last["dense_mask_bytes"] / 2**20, 1)
+    return out

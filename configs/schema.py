@@ -14,18 +14,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import ipaddress
-import math
 import re
-import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.fields import FieldInfo
 from pydantic.functional_validators import AfterValidator, BeforeValidator, model_validator
 from pydantic.types import StrictBool, StrictInt, StrictStr
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
+
+from configs.messages import Allowed, finite_number, message
 
 _FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _RHO, _PORT = "a number in the open interval (0, 1/2)", "a port number in [0, 65535]"
@@ -38,20 +37,6 @@ HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # the head size
 
 class ConfigError(ValueError):
     """A configuration problem, naming the key."""
-
-
-class Allowed(str):
-    """Field metadata: what the field accepts, in words, where its bounds alone would not say it."""
-
-
-def _number(value: Any) -> float:
-    """A finite float from an int, a float or a numeric string (PyYAML reads "1e-3" as a string); no bool."""
-    numeric = isinstance(value, int | float) and not isinstance(value, bool)
-    if numeric or (isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip())):
-        with contextlib.suppress(OverflowError):  # an int too large for a float is not a number here
-            if math.isfinite(out := float(value)):
-                return out
-    raise PydanticCustomError("config_number", "not a finite number")
 
 
 def _pair(value: Any) -> Any:
@@ -68,7 +53,7 @@ def _ordered(value: tuple[int, int]) -> tuple[int, int]:
     return value
 
 
-Float = Annotated[float, BeforeValidator(_number)]
+Float = Annotated[float, BeforeValidator(finite_number)]
 PosFloat = Annotated[Float, Field(gt=0)]
 NonNegFloat = Annotated[Float, Field(ge=0)]
 PosInt = Annotated[StrictInt, Field(ge=1)]
@@ -79,12 +64,17 @@ PoolName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]+$"), Allowed(_POO
 UnitFloat = Annotated[Float, Field(gt=0, lt=1)]
 Clip = Annotated[tuple[UnitFloat, PosFloat], BeforeValidator(_pair), Allowed(_CLIP)]
 Hops = Annotated[tuple[PosInt, PosInt], BeforeValidator(_pair), AfterValidator(_ordered), Allowed(_HOPS)]
+Url = Annotated[StrictStr, Field(pattern=r"^https?://\S+$"), Allowed("an http:// or https:// URL")]
 
 
 def _rule(section: _S, ok: bool, name: str, allowed: str) -> _S:
-    """A rule across fields of one section: the section back if `ok`, else an error naming field `name`."""
+    """A rule across fields: the section back if `ok`, else an error naming field `name` (dotted: a field of
+    a sub-section, for rules across sections)."""
     if not ok:
-        ctx = {"field": name, "value": getattr(section, name), "allowed": allowed}
+        value: Any = section
+        for part in name.split("."):
+            value = getattr(value, part)
+        ctx = {"field": name, "value": value, "allowed": allowed}
         raise PydanticCustomError("config_rule", "{field} = {value} is invalid: expected {allowed}", ctx)
     return section
 
@@ -122,7 +112,19 @@ class AlgoConfig(_Section):
     gspo_clip: Clip = (3e-4, 4e-4)
     treepo_clip: Clip = (0.2, 0.28)
     treepo_filter_zero_std: StrictBool = False
+    dual_clip: StrictBool = False  # GRPO/TreePO dual clip (verl's clip_ratio_c): objective >= c·A where A < 0
+    dual_clip_c: Annotated[Float, Field(gt=1)] = 3.0
+    depth_correction: StrictBool = (
+        False  # TreeOPSD: weight each depth as flat sampling would (algorithm §5.3)
+    )
     nonfinite_turn_limit: Annotated[Float, Field(ge=0, lt=1)] = 0.01
+
+    @model_validator(mode="after")
+    def _depth_correction_for_treeopsd(self) -> Self:
+        ok = not self.depth_correction or self.method == "treeopsd"
+        return _rule(
+            self, ok, "depth_correction", "false unless algo.method = treeopsd (it reweights its loss)"
+        )
 
     @model_validator(mode="after")
     def _listwise_rho(self) -> Self:
@@ -181,6 +183,24 @@ class EnvConfig(_Section):
     seed: NonNegInt = 0
     train_hops: Hops = (2, 2)
     eval_hops: Hops = (2, 4)
+    eval_per_hop: Annotated[StrictInt, Field(ge=1, le=500)] = 40  # synthetic KB: questions per hop count
+    eval_split: Literal["eval", "val"] = "eval"  # synthetic KB: val is disjoint from eval (for tuning)
+    retriever: Literal["local", "service"] = "local"  # local: in-process index; service: a /retrieve server
+    retriever_url: Url | None = None  # unset with "service": `treeopsd train` starts one for all samplers
+    retriever_token: NonEmptyStr | None = None  # unset: $TREEOPSD_RETRIEVER_TOKEN, if any
+    retriever_timeout_s: PosFloat = 10.0  # per HTTP request
+    retriever_retries: NonNegInt = 2  # retries after a failed request, with exponential backoff
+    index: Literal["bm25", "dense"] = "bm25"
+    encoder: NonEmptyStr | None = None  # a local sentence-transformers folder (index = dense)
+
+    @model_validator(mode="after")
+    def _retriever_rules(self) -> Self:
+        ok = self.retriever == "service" or self.retriever_url is None
+        _rule(self, ok, "retriever", "'service' when env.retriever_url is set")
+        local_ok = self.index == "bm25" or self.retriever == "service"  # a dense index is served, shared
+        _rule(self, local_ok, "index", "'bm25' with env.retriever = local (dense needs the service)")
+        dense_ok = self.index != "dense" or self.encoder is not None
+        return _rule(self, dense_ok, "encoder", "a local encoder folder with env.index = dense")
 
     @model_validator(mode="after")
     def _turn_fits_budget(self) -> Self:
@@ -193,6 +213,7 @@ class SamplerConfig(_Section):
     num_samplers: PosInt = 2
     temperature: PosFloat = 1.0
     top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[NonNegInt, Field(description="0: off")] = 0
     prompts_per_request: PosInt = 1
     max_restarts: NonNegInt = 3
 
@@ -202,10 +223,16 @@ class LearnerConfig(_Section):
     minibatches: PosInt = 4
     epochs: PosInt = 1
     lr: PosFloat = 3e-4
+    warmup_steps: NonNegInt = 0  # learner steps of linear lr warmup from lr/warmup to lr (0: none)
     weight_decay: NonNegFloat = 0.0
     grad_clip: Annotated[NonNegFloat, Field(description="0 disables clipping")] = 1.0
     packed_forward: StrictBool = True
     checkpoint_every: PosInt = 1  # learner steps between checkpoints
+    precision: Literal["float32", "bfloat16"] = "float32"  # bf16: autocast compute, fp32 master + AdamW
+    grad_checkpointing: StrictBool = False  # recompute each decoder layer in backward (HF, non-reentrant)
+    # Token budget of one forward/backward (0: one micro-batch per mini-batch); larger trees are split
+    max_tokens_per_microbatch: NonNegInt = 0
+    tree_attention: Literal["auto", "chunked", "flex"] = "auto"  # auto: flex on CUDA, chunked SDPA on CPU
 
 
 class StoreConfig(_Section):
@@ -262,6 +289,20 @@ class Config(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
+    @model_validator(mode="after")
+    def _recompute_needs_sync(self) -> Self:
+        # Recomputed μ is θ_old at the learner; in async mode turns come from older versions (algorithm §11).
+        ok = self.algo.behavior_logprobs != "recompute" or self.admission_eta == 0
+        why = "'sampler' in async mode (recompute needs run.mode = sync or store.eta = 0)"
+        return _rule(self, ok, "algo.behavior_logprobs", why)
+
+    @model_validator(mode="after")
+    def _flex_needs_a_gpu(self) -> Self:
+        # FlexAttention has no backward on the CPU (torch 2.13), and the learner is on the CPU without a GPU.
+        ok = self.learner.tree_attention != "flex" or self.resources.learner.num_gpus > 0
+        why = "'auto' or 'chunked' without a learner GPU (flex needs resources.learner.num_gpus > 0)"
+        return _rule(self, ok, "learner.tree_attention", why)
+
     @property
     def store_dir(self) -> str:
         return self.store.dir or str(Path(self.run.run_dir) / "store")
@@ -270,85 +311,6 @@ class Config(_Section):
     def admission_eta(self) -> int:
         """`store.eta`, or 0 in `run.mode = sync` (the synchronous baseline: the same topology, η = 0)."""
         return 0 if self.run.mode == "sync" else self.store.eta
-
-
-# ---- pydantic's errors as one ConfigError: key, value, what is allowed ---------------------------------
-
-
-def unwrap(annotation: Any, metadata: list[Any]) -> tuple[Any, list[Any], bool]:
-    """(bare type, all its metadata, nullable) of a field's annotation: `X | None` and Annotated peeled."""
-    tp, meta, nullable = annotation, list(metadata), False
-    if get_origin(tp) in (Union, types.UnionType):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        tp, nullable = inner[0], len(inner) < len(get_args(tp))
-    while get_origin(tp) is Annotated:
-        tp, *extra = get_args(tp)
-        for m in extra:
-            meta.extend(m.metadata if isinstance(m, FieldInfo) else [m])
-    return tp, meta, nullable
-
-
-def _words(tp: Any, meta: list[Any]) -> str:
-    """What a scalar field accepts, in words, from its type and bounds."""
-    if tp is bool:
-        return "true or false"
-    if tp is str:
-        return "a non-empty string" if any(getattr(m, "min_length", 0) for m in meta) else "a string"
-    if get_origin(tp) is tuple:
-        return f"a list of {len(get_args(tp))} values"
-    noun = "an integer" if tp is int else "a number"
-    b = {k: v for m in meta for k in ("gt", "ge", "lt", "le") if (v := getattr(m, k, None)) is not None}
-    lo, hi = next((k for k in ("gt", "ge") if k in b), ""), next((k for k in ("lt", "le") if k in b), "")
-    if lo and hi:
-        if (lo, hi) == ("gt", "lt"):
-            return f"{noun} in the open interval ({b[lo]}, {b[hi]})"
-        return f"{noun} in {'(['[lo == 'ge']}{b[lo]}, {b[hi]}{')]'[hi == 'le']}"
-    sign = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-    return f"{noun} {sign[lo or hi]} {b[lo or hi]}" if lo or hi else noun
-
-
-def expected(info: FieldInfo) -> str:
-    """The "expected ..." / "allowed values are ..." part of a field's error message."""
-    tp, meta, nullable = unwrap(info.annotation, info.metadata)
-    if get_origin(tp) is Literal:
-        return f"allowed values are {', '.join(map(repr, get_args(tp)))}"
-    words = next((str(m) for m in meta if isinstance(m, Allowed)), None) or _words(tp, meta)
-    words += " or null" if nullable else ""
-    words += f" ({info.description})" if info.description else ""
-    return f"expected {words}"
-
-
-def _message(e: ErrorDetails, data: dict[str, Any]) -> str:
-    model: type[BaseModel] = Config
-    path: list[str] = []
-    info: FieldInfo | None = None
-    raw: Any = data  # the value as given, walked along with the key
-    for part in e["loc"]:
-        if info is not None:
-            break  # inside a field's value (an element of a list): the field is what gets reported
-        name = str(part)
-        if name not in model.model_fields:
-            keys = ", ".join(sorted(model.model_fields))
-            return f"unknown key {'.'.join([*path, name])}; allowed keys: {keys}"
-        path.append(name)
-        info, raw = (
-            model.model_fields[name],
-            raw.get(name, e["input"]) if isinstance(raw, dict) else e["input"],
-        )
-        if isinstance(sub := info.annotation, type) and issubclass(sub, BaseModel):
-            model, info = sub, None  # a section: go on into it
-    where = ".".join(path) or "config"
-    if e["type"] == "config_rule":
-        ctx = e.get("ctx") or {}
-        return f"{'.'.join([*path, ctx['field']])} = {ctx['value']!r} is invalid: expected {ctx['allowed']}"
-    if info is None:
-        if e["type"] == "model_type":
-            return f"{where} must be a mapping, got {type(e['input']).__name__}"
-        return f"{where} is invalid: {e['msg']}"
-    if unwrap(info.annotation, info.metadata)[0] is float:
-        with contextlib.suppress(PydanticCustomError):
-            raw = _number(raw)  # shown as the number it stands for: `algo.rho=0` -> 0.0
-    return f"{where} = {raw!r} is invalid: {expected(info)}"
 
 
 # ---- building configs from plain data ---------------------------------------------------------------------
@@ -383,7 +345,7 @@ def parse_config(data: dict[str, Any] | None, overrides: list[str] | None = None
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_message(err.errors(include_url=False)[0], data)) from None
+        raise ConfigError(message(err.errors(include_url=False)[0], data, Config)) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

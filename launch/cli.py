@@ -23,8 +23,9 @@ COMMANDS = {
     "report": "render PNG plots from a run's tensorboard logs",
     "scale": "add or remove sampler actors of a running job",
     "experiment": "run the paper-table experiment grid",
+    "retrieve": "serve a corpus over HTTP for all samplers (Search-R1's POST /retrieve)",
 }
-BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights")
+BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights", "credit", "retrieval")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may stand anywhere (`treeopsd eval a.b=1 --samples 4 c.d=2`): argparse only takes one run
+    # of positionals, so later `key=value` items come back here and join the others.
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         return _run_bench(args)
     return int(args._module.run(args) or 0)

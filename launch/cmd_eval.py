@@ -1,4 +1,5 @@
-"""`treeopsd eval`: greedy success / EM / F1 of a model, per dataset (and per hop count on the synthetic KB).
+"""`treeopsd eval`: greedy success / EM / F1 of a model (with --samples K also sampled pass@1 and pass@K),
+per dataset (and per hop count on the synthetic KB). The evaluation itself is launch/evaluation.py.
 
     treeopsd eval --model runs/models/tiny-XXXX                     # the config's eval split (synthetic KB)
     treeopsd eval --model M --data hotpot_dev.json --data musique.jsonl env.name=multihop_qa --limit 200
@@ -19,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from launch.evaluation import evaluate, take
 
 
 class EvalDataError(ValueError):
@@ -37,134 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", action="append", default=None, help="a local dataset file (repeatable)")
     parser.add_argument("--limit", type=int, default=None, help="at most N tasks per dataset")
     parser.add_argument("--batch", type=int, default=32, help="episodes per backend call (default 32)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="also K sampled episodes per task at temperature 1 (pass@1, pass@K)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
-
-
-# ---- evaluation (the trainer imports this) ---------------------------------------------------------------
-class _FinalSteps:
-    """Environment proxy keeping each episode's final StepResult.info (answer, em, f1) — the loop drops it."""
-
-    def __init__(self, env: Any) -> None:
-        self.env = env
-        self.info: dict[int, dict[str, Any]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.env, name)
-
-    def step(self, task: Any, history: Any, action_text: str) -> Any:
-        result = self.env.step(task, history, action_text)
-        if result.done:
-            self.info[id(task)] = result.info  # tasks are copied per episode, so id() is unique
-        return result
-
-
-def evaluate(
-    cfg: Any,
-    model_path: str,
-    tasks: Sequence[Any],
-    env: Any,
-    backend: Any = None,
-    progress: bool = False,
-    batch: int = 32,
-) -> dict[str, Any]:
-    """Greedy single-trajectory episodes on `tasks`; returns {n, success, em, f1, answered, mean_turns,
-    finish, datasets, per_hop (synthetic KB), seconds}. `backend`: a greedy backend to reuse (closed by the
-    caller); None builds one from cfg and closes it."""
-    from tqdm.auto import tqdm
-
-    from actors.agent_loop import Episode, run_episodes
-    from actors.chat import ChatFormat
-    from actors.sampler_setup import loop_limits
-    from launch.model_setup import build_policy, load_tokenizer
-    from system.tree_build import TreeBuilder
-
-    own = backend is None
-    if own:
-        backend = build_policy(cfg, model_path, seed=cfg.run.seed, greedy=True)
-    t0, rows = time.perf_counter(), []
-    try:
-        chat = ChatFormat.from_tokenizer(getattr(backend, "tokenizer", None) or load_tokenizer(model_path))
-        recorder, limits = _FinalSteps(env), loop_limits(cfg)
-        with tqdm(total=len(tasks), desc="eval", unit="task", disable=not progress, mininterval=1.0) as bar:
-            for start in range(0, len(tasks), max(1, batch)):
-                part = [replace(t) for t in tasks[start : start + max(1, batch)]]
-                episodes = []
-                for i, task in enumerate(part):
-                    prompt = chat.initial_context(env.system_prompt(), env.user_prompt(task))
-                    b = TreeBuilder(f"eval-{start + i}", prompt, prompt_id=task.task_id)
-                    episodes.append(Episode(task, b, 0, b.context_tokens(0), [], 0, key=b.tree_id))
-                run_episodes(episodes, backend, recorder, chat, limits)
-                rows += [_row(e, recorder.info.get(id(e.task), {})) for e in episodes]
-                _evict(backend, episodes)
-                bar.update(len(part))
-    finally:
-        if own:
-            backend.close()
-    return {**summarize(rows), "seconds": round(time.perf_counter() - t0, 2)}
-
-
-def _row(e: Any, info: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "dataset": e.task.dataset,
-        "hops": e.task.meta.get("hops"),
-        "reward": float(e.reward or 0.0),
-        "em": float(info.get("em", 0.0)),
-        "f1": float(info.get("f1", 0.0)),
-        "finish": str(e.finish),
-        "turns": len(e.nodes),
-    }
-
-
-def _evict(backend: Any, episodes: Sequence[Any]) -> None:
-    """Frees the HF backend's per-episode KV caches (vLLM has no such caches)."""
-    if hasattr(backend, "evict"):
-        backend.evict(*(e.key for e in episodes))
-
-
-def _stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    n = len(rows)
-
-    def mean(key: str) -> float:
-        return round(sum(r[key] for r in rows) / n, 4) if n else 0.0
-
-    answered = sum(r["finish"] == "answer" for r in rows) / n if n else 0.0
-    return {
-        "n": n,
-        "success": mean("reward"),
-        "em": mean("em"),
-        "f1": mean("f1"),
-        "answered": round(answered, 4),
-        "mean_turns": mean("turns"),
-    }
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Overall stats, finish reasons, per dataset, and per hop count where tasks have one."""
-    by_set: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    by_hop: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        by_set[r["dataset"]].append(r)
-        if r["hops"] is not None:
-            by_hop[str(r["hops"])].append(r)
-    out = {**_stats(rows), "finish": dict(Counter(r["finish"] for r in rows))}
-    out["datasets"] = {name: _stats(group) for name, group in sorted(by_set.items())}
-    if by_hop:
-        out["per_hop"] = {hop: _stats(group) for hop, group in sorted(by_hop.items())}
-    return out
-
-
-# ---- which tasks ---------------------------------------------------------------------------------------
-def take(tasks: Sequence[Any], limit: int | None) -> list[Any]:
-    """At most `limit` tasks, round-robin over (dataset, hops) groups so a limit keeps every hop count."""
-    if limit is None or limit >= len(tasks):
-        return list(tasks)
-    groups: dict[tuple[str, Any], list[Any]] = defaultdict(list)
-    for t in tasks:
-        groups[(t.dataset, t.meta.get("hops"))].append(t)
-    lists = list(groups.values())
-    mixed = [g[i] for i in range(max(map(len, lists))) for g in lists if i < len(g)]
-    return mixed[: max(0, limit)]
 
 
 def eval_sets(cfg: Any, data: Sequence[str]) -> list[tuple[str, Any, list[Any]]]:
@@ -250,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     backend = build_policy(cfg, model, seed=cfg.run.seed, greedy=True)
     try:
         results = {
-            label: evaluate(cfg, model, tasks, env, backend, cfg.logging.progress, args.batch)
+            label: evaluate(cfg, model, tasks, env, backend, cfg.logging.progress, args.batch, args.samples)
             for label, env, tasks in sets
         }
     finally:
@@ -263,7 +143,11 @@ def run(args: argparse.Namespace) -> int:
 def _overall(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Task-weighted means over the datasets."""
     n = sum(r["n"] for r in results.values())
-    keys = ("success", "em", "f1", "answered")
+    keys = [
+        k
+        for k in ("success", "em", "f1", "answered", "sampled_success", "pass_at_k")
+        if all(k in r for r in results.values())
+    ]
     return {"n": n, **{k: round(sum(r[k] * r["n"] for r in results.values()) / max(1, n), 4) for k in keys}}
 
 
@@ -280,6 +164,9 @@ def _table(report: dict[str, Any]) -> str:
         lines.append(line(label, r) + f"   ({r['seconds']:.1f} s)")
         for hop, h in r.get("per_hop", {}).items():
             lines.append(line(f"  {hop}-hop", h))
+        if "samples" in r:
+            k, p1, pk = r["samples"], r["sampled_success"], r["pass_at_k"]
+            lines.append(f"  sampled (T=1, {k} per task): pass@1 {p1:.3f}, pass@{k} {pk:.3f}")
     if len(report["datasets"]) > 1:
         lines.append(line("overall", report))
     return "\n".join(lines)

@@ -173,27 +173,40 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"{h['jobs']} at a time)"
         for h in prov["executed_by"]
     )
-    from launch.experiment import check_claims, render_claims, render_table, rows_summary
     from launch.experiment_plot import plot_curves
+    from launch.experiment_report import (
+        best_per_group,
+        check_claims,
+        render_best,
+        render_claims,
+        render_table,
+        rows_summary,
+    )
 
     summary = rows_summary(spec, results)
     png = out / f"{tag}_curves.png"
     plot_curves(spec, results, summary, png)
+    n_eval = max((r["eval"]["n"] for r in results.values() if "eval" in r), default=0)
+    ablation = "" if spec.ablation_seeds is None else f" (ablation rows: seeds {list(spec.ablation_seeds)})"
     head = (
         f"# {spec.name}{' (--quick)' if spec.quick else ''}\n\n"
         f"`treeopsd experiment {spec.path}{' --quick' if spec.quick else ''}` — seeds "
-        f"{list(spec.seeds)}, {spec.steps} learner steps per run, greedy success on {spec.eval_tasks} "
-        f"held-out 3–4-hop questions, mean ± standard error over seeds.\n\n"
+        f"{list(spec.seeds)}{ablation}, {spec.steps} learner steps per run, evaluated on {n_eval} held-out "
+        f"questions (greedy, and {spec.samples} samples each at temperature 1), mean ± standard error over "
+        f"seeds.\n\n"
         f"Runs executed by {ran or 'nothing'}. Table rendered at commit {prov['commit']} on "
         f"{prov['cpus']} CPUs ({prov['cpu']}), {prov['date']}.\n\n"
     )
     claims = check_claims(spec, results)
     body = render_table(spec, summary)
     if claims:
-        body += (
-            "\n\nThe paper's orderings, checked per seed (verdicts: launch/experiment.py `check_claims`):\n\n"
-        )
+        where = "launch/experiment_report.py `check_claims`"
+        body += f"\n\nThe paper's orderings, checked per seed (verdicts: {where}):\n\n"
         body += render_claims(claims)
+    picks = best_per_group(spec, summary) if spec.select else []
+    if picks:
+        body += f"\n\nChosen per method (highest {spec.select}; these settings go into the comparison):\n\n"
+        body += render_best(picks)
     fails = "".join(f"\n- failed: {k}: {v}" for k, v in sorted(failed.items()))
     write_atomic(out / f"{tag}.md", (head + body + "\n" + fails + f"\n\n![curves]({png.name})\n").encode())
     data = {
@@ -202,6 +215,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         "provenance": prov,
         "rows": summary,
         "claims": claims,
+        "chosen": picks,
         "runs": dict(sorted(results.items())),
         "failed": failed,
     }

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
     from actors.sampler_setup import build_env, load_split
-    from launch.cmd_eval import evaluate, take
+    from launch.evaluation import evaluate, take
 
     env = build_env(cfg)
     tasks = take(load_split(cfg, "eval", env), cfg.run.eval_tasks)

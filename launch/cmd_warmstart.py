@@ -32,7 +32,7 @@ def _success_before(cfg: Any, tasks: list[Any], env: Any) -> dict[str, Any]:
     """Greedy success of the untrained model: the warm-start's own init (same tokenizer texts and seed)."""
     from actors.envs.synthetic_kb import SyntheticKBEnv, tokenizer_texts
     from actors.policy.tiny_model import save_tiny
-    from launch.cmd_eval import evaluate
+    from launch.evaluation import evaluate
 
     # The warm-start trains its tokenizer on the default KB env; reuse ours when it is that one.
     kb_env = env if (cfg.env.seed, cfg.env.topk) == (0, 2) else SyntheticKBEnv()
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"treeopsd warmstart: {e}", file=sys.stderr)
         return 2
     from actors.sampler_setup import build_env, load_split
-    from launch.cmd_eval import evaluate, take
+    from launch.evaluation import evaluate, take
     from launch.model_setup import warm_start_tiny
 
     if cfg.env.name != "synthetic_kb":

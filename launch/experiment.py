@@ -36,8 +36,12 @@ SPEC_KEYS = {
     "quick",
     "rows",
     "claims",
+    "samples",
+    "ablation_seeds",
+    "select",
 }
 ROW_KEYS = {"name", "group", "train", "set"}
+QUICK_KEYS = {"seeds", "ablation_seeds", "steps", "eval_tasks", "samples"}
 
 
 class ExperimentSpecError(ValueError):
@@ -66,9 +70,16 @@ class Spec:
     quick: bool = False
     warmstart_seed: int | None = None  # one warm-started model for every seed (None: one per seed)
     claims: tuple[tuple[str, str], ...] = ()  # (better row, worse row): the paper's orderings to check
+    samples: int = 0  # sampled episodes per evaluation question (temperature 1), besides the greedy one
+    ablation_seeds: tuple[int, ...] | None = None  # seeds of the rows outside group "main" (None: all)
+    select: str | None = None  # a tuning grid: report each group's best row by this metric
 
     def model_seed(self, seed: int) -> int:
         return seed if self.warmstart_seed is None else self.warmstart_seed
+
+    def row_seeds(self, row: Row) -> tuple[int, ...]:
+        """The main rows run every seed; the ablations the first few (`ablation_seeds`)."""
+        return self.seeds if row.group == "main" or self.ablation_seeds is None else self.ablation_seeds
 
 
 @dataclass(frozen=True)
@@ -110,18 +121,19 @@ def parse_spec(doc: Any, path: str = "<spec>", quick: bool = False) -> Spec:
         raise ExperimentSpecError(f"{path}: unknown keys {sorted(unknown)} (allowed: {sorted(SPEC_KEYS)})")
     if quick:
         q = doc.get("quick") or {}
-        if not isinstance(q, dict) or set(q) - {"seeds", "steps", "eval_tasks"}:
-            raise ExperimentSpecError(f"{path}: quick may set seeds, steps, eval_tasks only")
+        if not isinstance(q, dict) or set(q) - QUICK_KEYS:
+            raise ExperimentSpecError(f"{path}: quick may set {', '.join(sorted(QUICK_KEYS))} only")
         doc = {**doc, **q}
     seeds = doc.get("seeds", [0])
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and s >= 0 for s in seeds)):
         raise ExperimentSpecError(f"{path}: seeds must be a non-empty list of integers >= 0, got {seeds!r}")
     if len(set(seeds)) != len(seeds):
         raise ExperimentSpecError(f"{path}: seeds {seeds} repeat a seed")
-    ints = {k: doc.get(k, d) for k, d in (("steps", 20), ("eval_tasks", 120))}
+    ints = {k: doc.get(k, d) for k, d in (("steps", 20), ("eval_tasks", 120), ("samples", 0))}
     for k, v in ints.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ExperimentSpecError(f"{path}: {k} must be an integer >= 1, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k == "samples" else 1):
+            raise ExperimentSpecError(f"{path}: {k} must be an integer >= {int(k != 'samples')}, got {v!r}")
+    ablation = _ablation_seeds(doc.get("ablation_seeds"), seeds, path)
     warm = doc.get("warmstart_seed")
     if warm is not None and (not isinstance(warm, int) or isinstance(warm, bool) or warm < 0):
         raise ExperimentSpecError(f"{path}: warmstart_seed must be an integer >= 0, got {warm!r}")
@@ -149,6 +161,9 @@ def parse_spec(doc: Any, path: str = "<spec>", quick: bool = False) -> Spec:
         quick,
         warm,
         _claims(doc.get("claims"), {r.name for r in rows}, path),
+        ints["samples"],
+        ablation,
+        _select(doc.get("select"), path),
     )
     for row in rows:  # every row's config must load before anything runs
         cost = resolved_config(spec, row, seeds[0]).algo.expected_cost
@@ -157,6 +172,22 @@ def parse_spec(doc: Any, path: str = "<spec>", quick: bool = False) -> Spec:
                 f"{path}: row {row.name!r} costs {cost:g} full trajectories per prompt, budget is {budget:g}"
             )
     return spec
+
+
+def _select(doc: Any, path: str) -> str | None:
+    if doc is not None and doc not in ("success", "sampled_success"):
+        raise ExperimentSpecError(f"{path}: select must be success or sampled_success, got {doc!r}")
+    return doc
+
+
+def _ablation_seeds(doc: Any, seeds: list[int], path: str) -> tuple[int, ...] | None:
+    if doc is None:
+        return None
+    if not (isinstance(doc, list) and doc and set(doc) <= set(seeds) and len(set(doc)) == len(doc)):
+        raise ExperimentSpecError(
+            f"{path}: ablation_seeds must be a non-empty subset of seeds {seeds}, got {doc!r}"
+        )
+    return tuple(doc)
 
 
 def _claims(doc: Any, names: set[str], path: str) -> tuple[tuple[str, str], ...]:
@@ -210,7 +241,7 @@ def plan(spec: Spec) -> list[Run]:
     """Distinct runs in seed-major order (all rows of the first seed first: a cut-short grid stays usable)."""
     runs: dict[str, Run] = {}
     for seed in spec.seeds:
-        for row in spec.rows:
+        for row in (r for r in spec.rows if seed in spec.row_seeds(r)):
             cfg = resolved_config(spec, row, seed, (f"run.steps={spec.steps}",))
             warm = "" if spec.warmstart_seed is None else f"-w{spec.warmstart_seed}"
             key = f"{'t' if row.train else 'e'}{config_key(cfg)}-s{seed}{warm}"
@@ -219,112 +250,3 @@ def plan(spec: Spec) -> list[Run]:
             else:
                 runs[key] = Run(key, seed, row.train, (*spec.common, *row.overrides), (row.name,))
     return list(runs.values())
-
-
-# ---- statistics and the table --------------------------------------------------------------------------
-def mean_se(xs: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error (sample std / sqrt(n)); se is nan for a single value."""
-    n = len(xs)
-    if n == 0:
-        return math.nan, math.nan
-    m = sum(xs) / n
-    if n == 1:
-        return m, math.nan
-    var = sum((x - m) ** 2 for x in xs) / (n - 1)
-    return m, math.sqrt(var / n)
-
-
-def rows_summary(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per row: success (overall, 3-hop, 4-hop) mean ± se over the seeds whose runs finished."""
-    out = []
-    for row in spec.rows:
-        got = [r for r in results.values() if row.name in r["rows"] and "eval" in r]
-        summary: dict[str, Any] = {
-            "row": row.name,
-            "group": row.group,
-            "seeds": sorted(r["seed"] for r in got),
-        }
-        summary["cost"] = got[0]["expected_cost"] if got and row.train else 0.0
-        for label, pick in (
-            ("success", lambda e: e["success"]),
-            ("hop3", lambda e: e.get("per_hop", {}).get("3", {}).get("success", math.nan)),
-            ("hop4", lambda e: e.get("per_hop", {}).get("4", {}).get("success", math.nan)),
-        ):
-            summary[label] = mean_se([pick(r["eval"]) for r in got])
-        summary["train_s"] = sum(r.get("train_s", 0.0) for r in got) / max(1, len(got))
-        out.append(summary)
-    return out
-
-
-def _fmt(ms: tuple[float, float], signed: bool = False) -> str:
-    m, se = ms
-    if math.isnan(m):
-        return "—"
-    head = f"{m:+.3f}" if signed else f"{m:.3f}"
-    return head if math.isnan(se) else f"{head} ± {se:.3f}"
-
-
-def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown: one line per row, grouped; success mean ± standard error over seeds."""
-    lines = [
-        "| group | method | cost | seeds | success (3–4 hop) | 3-hop | 4-hop |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for s in summary:
-        cost = f"{s['cost']:g}" if s["cost"] else "—"
-        cells = [
-            s["group"],
-            s["row"],
-            cost,
-            str(len(s["seeds"])),
-            _fmt(s["success"]),
-            _fmt(s["hop3"]),
-            _fmt(s["hop4"]),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def check_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Each claim "better > worse" on held-out success, from per-seed paired differences (the rows of one
-    seed share prompts, sampling seed and start model): mean ± se of the differences and a verdict —
-    "reproduced" (mean > 2 se above 0), "reversed" (mean > 2 se below 0), "tie" (all differences 0),
-    "within noise" otherwise (with the direction of the mean, if any)."""
-    by_row: dict[str, dict[int, float]] = {}
-    for r in results.values():
-        if "eval" not in r:
-            continue
-        for name in r["rows"]:
-            by_row.setdefault(name, {})[r["seed"]] = float(r["eval"]["success"])
-    out = []
-    for better, worse in spec.claims:
-        a, b = by_row.get(better, {}), by_row.get(worse, {})
-        diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
-        m, se = mean_se(diffs)
-        if not diffs:
-            verdict = "no data"
-        elif all(abs(d) < 1e-12 for d in diffs):
-            verdict = "tie"
-        elif not math.isnan(se) and m > 2 * se:
-            verdict = "reproduced"
-        elif not math.isnan(se) and m < -2 * se:
-            verdict = "reversed"
-        elif abs(m) < 1e-9:  # differences that cancel: no direction to report
-            verdict = "within noise (no mean difference)"
-        else:
-            verdict = f"within noise ({'same' if m > 0 else 'opposite'} direction)"
-        out.append(
-            {"better": better, "worse": worse, "seeds": len(diffs), "diff": (m, se), "verdict": verdict}
-        )
-    return out
-
-
-def render_claims(claims: Sequence[Mapping[str, Any]]) -> str:
-    lines = [
-        "| the paper's ordering | seeds | success difference (paired) | here |",
-        "|---|---:|---:|---|",
-    ]
-    for c in claims:
-        diff = _fmt(c["diff"], signed=True)
-        lines.append(f"| {c['better']} > {c['worse']} | {c['seeds']} | {diff} | {c['verdict']} |")
-    return "\n".join(lines)

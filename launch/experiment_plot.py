@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.experiment import Spec, mean_se
+from launch.experiment import Spec
+from launch.experiment_report import mean_se
 
 
 def smooth(xs: Sequence[float], window: int) -> list[float]:
@@ -38,7 +39,7 @@ def row_curve(spec: Spec, row: str, results: Mapping[str, Mapping[str, Any]], ke
 def plot_curves(
     spec: Spec, results: Mapping[str, Mapping[str, Any]], summary: Sequence[Mapping[str, Any]], path: Path
 ) -> None:
-    """`summary`: launch.experiment.rows_summary of the same results (the bar panel)."""
+    """`summary`: launch.experiment_report.rows_summary of the same results (the bar panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,7 +75,7 @@ def plot_curves(
     ax.barh(list(ys), [0.0 if math.isnan(m) else m for m in means], xerr=errs, color="tab:blue", alpha=0.7)
     ax.set_yticks(list(ys), [s["row"] for s in summary], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("greedy success, held-out 3–4 hop")
+    ax.set_xlabel("greedy success, held-out split")
     ax.set_title("held-out success (± s.e.)")
     ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"{spec.name}: seeds {list(spec.seeds)}, {spec.steps} steps per run", fontsize=11)

@@ -16,7 +16,10 @@ from typing import Any
 
 CURVE_KEYS = ("reward/mean", "learner/loss", "learner/grad_norm", "learner/max_abs_s", "tree/leaves")
 # What the runner imposes on every run (documented in the README's Results section).
-RUN_SETTINGS = ("run.mode=sync", "store.eta=0", "sampler.num_samplers=1", "logging.progress=false")
+RUN_SETTINGS = (
+    "run.mode=sync", "store.eta=0", "sampler.num_samplers=1", "logging.progress=false",
+    "learner.checkpoint_every=1000000",  # the run saves its final weights itself
+)  # fmt: skip
 
 
 def _threads() -> None:
@@ -45,7 +48,7 @@ def run_one(
     """Train (unless the row is evaluation-only) and evaluate; returns and writes result.json."""
     _threads()
     from actors.sampler_setup import build_env, load_split
-    from launch.cmd_eval import evaluate, take
+    from launch.evaluation import evaluate, take
     from launch.experiment import load_spec, resolved_config
     from launch.local_run import build_local_run
     from launch.model_setup import load_tokenizer
@@ -81,7 +84,7 @@ def run_one(
     result["train_s"] = round(time.perf_counter() - t0, 1)
     env = build_env(cfg)
     tasks = take(load_split(cfg, "eval", env), spec.eval_tasks)
-    result["eval"] = evaluate(cfg, evaluated, tasks, env)
+    result["eval"] = evaluate(cfg, evaluated, tasks, env, batch=64, samples=spec.samples)
     result["model"] = evaluated
     write_json(folder / "result.json", result)
     return result

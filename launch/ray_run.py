@@ -32,6 +32,7 @@ from actors.backup_worker import BackupWorker
 from actors.sampler_actor import SamplerActor
 from configs.schema import Config, to_dict
 from launch.pools import check_pools
+from launch.retrieval_actor import start_retrieval_service, stop_retrieval_service
 from learner.learner_actor import LearnerActor
 from storage.replay_store_actor import RemoteStore, start_store_actor
 from system.interfaces import MetricsSink
@@ -91,11 +92,13 @@ class Topology:
     args: tuple
     next_index: int = 0
     refs: dict[str, Any] = field(default_factory=dict)
+    retrieval: Any = None  # the run's shared retrieval service (launch/retrieval_actor.py), if it started one
 
 
 def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topology:
     check_pools(cfg)  # a pool no node provides fails here, before any actor starts
     data = to_dict(cfg)
+    retrieval = start_retrieval_service(cfg, data)  # before the samplers: they get its URL through `data`
     store = start_store_actor(cfg.store_dir, eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees)
     learner = (
         ray.remote(LearnerActor)
@@ -108,6 +111,7 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
     backup = backup_cls.remote(RemoteStore(store), cfg.algo)
     args = (data, model_path, store, endpoint, key)
     topo = Topology(store, learner, backup, FaultTolerantActorManager([], 1), sampler_cls, args)
+    topo.retrieval = retrieval
     scale_samplers(topo, cfg, cfg.sampler.num_samplers)
     return topo
 
@@ -299,3 +303,4 @@ def stop_topology(topo: Topology) -> None:
     for handle in (topo.backup, topo.learner, topo.store):
         ray.kill(handle, no_restart=True)
     topo.manager.clear()  # kills the samplers
+    stop_retrieval_service(topo.retrieval)

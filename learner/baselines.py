@@ -63,10 +63,13 @@ def ppo_clip_loss(
     clip_high: float,
     *,
     z_total: float | torch.Tensor | None = None,
+    clip_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip, token-mean: L = −(1/Z) Σ_t m_t min(κ_t A_t, clip(κ_t, 1−ε_lo, 1+ε_hi) A_t).
 
     κ_t = exp(logp_t − old_logp_t); Z = Σ_t m_t unless ``z_total`` overrides it (global normalizer).
+    ``clip_c`` (> 1, verl's ``clip_ratio_c``; None: off): dual clip — where A_t < 0 the objective is at least
+    c·A_t, so a token whose ratio ran far above 1 on a bad action cannot dominate the loss.
     ``advantages`` must broadcast to ``logp``'s shape. Masked-out positions may hold any value (even NaN).
     Stats over masked tokens: clip_frac (the clipped branch is strictly smaller, so the token has zero
     gradient), ratio_mean, approx_kl (k3 = mean(κ − 1 − log κ) ≥ 0, an estimate of KL(π_old || π_θ)),
@@ -79,7 +82,7 @@ def ppo_clip_loss(
     adv = torch.where(m, advantages.detach().to(dtype), 0.0)
     log_ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    loss, stats = _clipped_objective(ratio, adv, m, (clip_low, clip_high), z_total)
+    loss, stats = _clipped_objective(ratio, adv, m, (clip_low, clip_high), z_total, clip_c)
     n = stats.pop("n")
     with torch.no_grad():
         k3 = float(torch.where(m, ratio - 1.0 - log_ratio, 0.0).sum()) / max(n, 1.0)
@@ -92,12 +95,19 @@ def _clipped_objective(
     on: torch.Tensor,
     clip: tuple[float, float],
     z_total: float | torch.Tensor | None,
+    clip_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """−(1/Z) Σ_on min(r A, clip(r, 1−ε_lo, 1+ε_hi) A), Z = the count of `on` unless `z_total` overrides it;
-    stats: clip_frac, ratio_mean (over `on`) and n (the count)."""
+    """−(1/Z) Σ_on min(r A, clip(r, 1−ε_lo, 1+ε_hi) A) (with `clip_c`: at least c·A where A < 0), Z = the
+    count of `on` unless `z_total` overrides it; stats: clip_frac, dual_clip_frac, ratio_mean, n."""
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip[0], 1.0 + clip[1]) * adv
-    obj = torch.where(on, torch.minimum(unclipped, clipped), 0.0)
+    obj = torch.minimum(unclipped, clipped)
+    dual = torch.zeros_like(on)
+    if clip_c is not None:
+        floor = clip_c * adv
+        dual = (adv < 0) & (obj < floor)
+        obj = torch.where(dual, floor, obj)
+    obj = torch.where(on, obj, 0.0)
     n = float(on.sum())
     z = torch.as_tensor(n if z_total is None else z_total, dtype=ratio.dtype, device=ratio.device)
     loss = -obj.sum() / torch.where(z > 0, z, torch.ones_like(z))
@@ -105,6 +115,7 @@ def _clipped_objective(
         denom = max(n, 1.0)
         return loss, {
             "clip_frac": float(((clipped < unclipped) & on).sum()) / denom,
+            "dual_clip_frac": float((dual & on).sum()) / denom,
             "ratio_mean": float(torch.where(on, ratio, 0.0).sum()) / denom,
             "n": n,
         }
@@ -119,12 +130,13 @@ def grpo_loss(
     clip_high: float = 0.2,
     *,
     z_total: float | torch.Tensor | None = None,
+    clip_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss (§8.1): token-level PPO-clip, token-mean, ε_lo = ε_hi = 0.2; see ``ppo_clip_loss``.
-
-    ``advantages`` is per token (broadcast A_j to every model token of trajectory j, e.g. A[:, None]).
-    """
-    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, z_total=z_total)
+    """GRPO loss (§8.1): token-level PPO-clip, token-mean, ε_lo = ε_hi = 0.2, optional dual clip; see
+    ``ppo_clip_loss``. ``advantages`` is per token (A_j broadcast to every model token of trajectory j)."""
+    return ppo_clip_loss(
+        logp, old_logp, advantages, mask, clip_low, clip_high, z_total=z_total, clip_c=clip_c
+    )
 
 
 def treepo_loss(
@@ -136,13 +148,16 @@ def treepo_loss(
     clip_high: float = 0.28,
     *,
     z_total: float | torch.Tensor | None = None,
+    clip_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """TreePO loss (§8.3): PPO-clip token-mean with ε_lo = 0.2, ε_hi = 0.28 over root-to-leaf path sequences.
 
     The caller builds one sequence per leaf (shared prefixes repeated, each copy masked in) and passes the
     whitened per-token advantages from ``treepo_advantages`` + ``masked_whiten``.
     """
-    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, z_total=z_total)
+    return ppo_clip_loss(
+        logp, old_logp, advantages, mask, clip_low, clip_high, z_total=z_total, clip_c=clip_c
+    )
 
 
 def gspo_loss(

@@ -2,6 +2,7 @@
 
 mismatch_sums(packed, logp)       Σ k1, Σ k3, n: sampler vs learner log-probs on the owned loss tokens
 turn_diagnostics(packed, logp)    TreeOPSD's per-turn view for every method (|s|, overshoot, KL to target)
+combine_microbatches(parts)       one mini-batch's stats from its micro-batches' (sums, maxima, exact means)
 summarize_minibatches(per_mb)     the step's `learner/...` scalars, per mini-batch index and overall
 """
 
@@ -26,10 +27,31 @@ def turn_diagnostics(packed: PackedBatch, logp: torch.Tensor) -> dict[str, float
     on = packed.owned & (packed.turn_ids >= 0)
     turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
     _, st = treeopsd_loss(logp.flatten(), packed.behavior_logp.flatten(), turn_ids, packed.q)
-    keys = ["mean_abs_s", "max_abs_s", "num_tokens", "nonfinite_tokens"]
+    keys = ["mean_abs_s", "max_abs_s", "num_turns", "num_tokens", "nonfinite_tokens"]
     if packed.credited:  # relative to a teacher only when there is one (baselines may skip the backup)
         keys += ["overshoot_frac", "kl_to_target"]
     return {k: st[k] for k in keys}
+
+
+def combine_microbatches(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Micro-batch stats → the mini-batch's: the loss shares and counts add up, maxima take the max, turn
+    means are weighted by turns, token means by loss tokens, clip fractions by what they count over."""
+    out: dict[str, float] = {}
+    add = ("loss", "tokens", "num_turns", "num_tokens", "nonfinite_tokens")
+    for key in (*add, "mismatch_k1_sum", "mismatch_k3_sum", "mismatch_n"):
+        if all(key in p for p in parts):
+            out[key] = sum(p[key] for p in parts)
+    out["max_abs_s"] = max(p["max_abs_s"] for p in parts)
+    by = {"mean_abs_s": "num_turns", "overshoot_frac": "num_turns", "kl_to_target": "num_tokens"}
+    by.update({"clip_frac": "clip_n", "dual_clip_frac": "clip_n"})
+    for key, weight in by.items():
+        if all(key in p for p in parts):
+            w = [p.get(weight, 0.0) for p in parts]
+            out[key] = sum(p[key] * x for p, x in zip(parts, w, strict=True)) / max(sum(w), 1e-300)
+    if "mismatch_n" in out:
+        out["mismatch_kl"] = out.pop("mismatch_k1_sum") / max(out["mismatch_n"], 1.0)
+        out["mismatch_kl_k3"] = out.pop("mismatch_k3_sum") / max(out.pop("mismatch_n"), 1.0)
+    return out
 
 
 def summarize_minibatches(per_mb: list[dict[str, float]]) -> dict[str, float]:

@@ -10,6 +10,8 @@ Attention for a tree-packed batch, `attention=`:
 
 * "tree" (default): `learner.tree_attention`, block-sparse SDPA over query chunks that never builds the T×T
   mask; same numbers, and the work is Σ chunk·|path| instead of T² (what makes packing pay off on CPU).
+* "flex": torch FlexAttention with a BlockMask from the batch's `reach` (learner/flex_attention.py), the GPU
+  fast path; forward-only on the CPU.
 * "mask": the model's own eager/sdpa attention with the 4D *additive float* mask ([B, 1, T, T],
   0 / dtype-min) and the depth-based `position_ids`. transformers 5.19 hands a 4D mask to the attention
   function unchanged (`masking_utils._preprocess_mask_arguments` returns early for any 4D tensor); "eager"
@@ -23,28 +25,30 @@ Path rows are right-padded plain causal sequences: real tokens never see the pad
 
 from __future__ import annotations
 
-import weakref
+import contextlib
 
 import torch
 from torch import nn
 
+from learner.flex_attention import FLEX_TREE_ATTENTION, tree_block_mask
 from learner.packing import PackedBatch
 from learner.tree_attention import TREE_ATTENTION, TreePlan, build_plan, use_attention
+from system.policy import SamplingConfig
+from system.sampling import sampling_logprobs
 
 TREE_MASK_ATTENTION = ("eager", "sdpa")
-_PLANS: weakref.WeakKeyDictionary[PackedBatch, TreePlan] = weakref.WeakKeyDictionary()
 
 
 def tree_plan(packed: PackedBatch, chunk: int = 32) -> TreePlan:
-    """The (cached) block-sparse attention plan of a tree-packed batch."""
-    if packed.blocks is None:
+    """The block-sparse attention plan of a tree-packed batch, built once per batch (kept in its cache)."""
+    if packed.segments is None:
         raise ValueError("tree attention needs a tree-packed batch (pack_trees)")
-    plan = _PLANS.get(packed)
-    if plan is None:
-        plan = _PLANS[packed] = build_plan(
-            packed.blocks, packed.input_ids.numel(), packed.input_ids.shape[1], chunk
+    key = ("plan", chunk)
+    if key not in packed._cache:
+        packed._cache[key] = build_plan(
+            packed.segments, packed.input_ids.numel(), packed.input_ids.shape[1], chunk
         )
-    return plan
+    return packed._cache[key]
 
 
 def _check_attention(model: nn.Module) -> None:
@@ -53,6 +57,23 @@ def _check_attention(model: nn.Module) -> None:
         raise ValueError(
             f"attn_implementation={impl!r} takes no custom 4D float mask; use one of {TREE_MASK_ATTENTION}"
         )
+
+
+ATTENTIONS = {"tree": TREE_ATTENTION, "flex": FLEX_TREE_ATTENTION, "mask": None}
+
+
+def attention_scope(
+    model: nn.Module, packed: PackedBatch, attention: str
+) -> contextlib.AbstractContextManager:
+    """The model's attention switched to the tree kernel for a tree-packed batch. Hold it over forward *and*
+    backward: gradient checkpointing re-runs the layers inside backward, and they must find the same
+    kernel there (a plain causal kernel would silently compute other gradients)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {sorted(ATTENTIONS)}, got {attention!r}")
+    impl = ATTENTIONS[attention]
+    if packed.segments is None or impl is None:
+        return contextlib.nullcontext()
+    return use_attention(model, impl)
 
 
 def _hidden_states(model: nn.Module, packed: PackedBatch, attention: str) -> torch.Tensor:
@@ -64,38 +85,48 @@ def _hidden_states(model: nn.Module, packed: PackedBatch, attention: str) -> tor
         "position_ids": None if packed.position_ids is None else packed.position_ids.to(param.device),
         "use_cache": False,
     }
-    if packed.blocks is None:  # plain causal rows
+    if packed.segments is None:  # plain causal rows
         return decoder(**inputs).last_hidden_state
-    if attention == "tree":
-        with use_attention(model, TREE_ATTENTION):
+    with attention_scope(model, packed, attention):
+        if attention == "tree":
             return decoder(**inputs, tree_plan=tree_plan(packed)).last_hidden_state
-    if attention != "mask":
-        raise ValueError(f"attention must be 'tree' or 'mask', got {attention!r}")
+        if attention == "flex":
+            key = ("flex", str(param.device))
+            if key not in packed._cache:
+                packed._cache[key] = tree_block_mask(packed.reach, param.device)
+            return decoder(**inputs, block_mask=packed._cache[key]).last_hidden_state
     _check_attention(model)
     mask = packed.additive_mask(param.dtype).to(param.device)
     return decoder(**inputs, attention_mask=mask).last_hidden_state
 
 
-def token_logprobs(model: nn.Module, packed: PackedBatch, attention: str = "tree") -> torch.Tensor:
+def token_logprobs(
+    model: nn.Module, packed: PackedBatch, attention: str = "tree", sampling: SamplingConfig | None = None
+) -> torch.Tensor:
     """[B, T] float32 log π(y_t | h_t) at every loss-token copy (turn_ids ≥ 0), 0 elsewhere; differentiable.
 
-    Works for both layouts (`pack_trees`: 4D tree mask + depth positions; `pack_paths`: plain causal rows).
+    π is the *sampling distribution* of the model (`system/sampling.py`: temperature, top-k, top-p, the
+    sampled token always in the support), the one the sampler's stored log-probs describe; None: the model's
+    own distribution. Works for both layouts (`pack_trees`: 4D tree mask + depth positions; `pack_paths`:
+    plain causal rows).
     """
     hidden = _hidden_states(model, packed, attention)
     rows, cols = torch.nonzero(packed.turn_ids >= 0, as_tuple=True)
     src = packed.target_index[rows, cols]
     dev = hidden.device
     h = hidden[rows.to(dev), src.to(dev)]  # [n, H]: the state that predicts each loss token
-    logits = model.get_output_embeddings()(h).float()
+    with torch.autocast(dev.type, enabled=False):  # the LM head and log-softmax in fp32 (also under bf16)
+        logits = model.get_output_embeddings()(h.float()).float()
     labels = packed.input_ids[rows, cols].to(dev)
-    lp = torch.log_softmax(logits, dim=-1).gather(1, labels[:, None])[:, 0]
+    dist = sampling_logprobs(logits, sampling, keep=labels) if sampling else torch.log_softmax(logits, -1)
+    lp = dist.gather(1, labels[:, None])[:, 0]
     out = torch.zeros(packed.turn_ids.shape, dtype=torch.float32, device=dev)
     return out.index_put((rows.to(dev), cols.to(dev)), lp)
 
 
 def path_logprobs(model: nn.Module, paths: PackedBatch) -> torch.Tensor:
     """Reference: `token_logprobs` over `pack_paths` rows (ordinary causal sequences, no custom mask)."""
-    if paths.blocks is not None or paths.position_ids is not None:
+    if paths.segments is not None or paths.position_ids is not None:
         raise ValueError("path_logprobs expects pack_paths output (plain causal rows)")
     return token_logprobs(model, paths)
 

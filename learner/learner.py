@@ -44,25 +44,47 @@ import torch
 from torch import nn
 
 from configs.schema import Config
-from learner.baselines import grpo_advantages, masked_whiten, treepo_advantages
-from learner.diagnostics import mismatch_sums, summarize_minibatches, turn_diagnostics
-from learner.forward import token_logprobs
-from learner.losses import grpo_loss, gspo_loss, treeopsd_loss, treepo_loss
-from learner.packing import PackedBatch, pack_paths, pack_trees
+from learner.device import compute_scope, learner_device, prepare_model
+from learner.diagnostics import combine_microbatches, mismatch_sums, summarize_minibatches, turn_diagnostics
+from learner.forward import attention_scope, token_logprobs
+from learner.minibatch import (
+    MinibatchTargets,
+    leaf_advantages,
+    microbatch_loss,
+    minibatch_targets,
+    pack_microbatch,
+    path_counts,
+    plan_microbatches,
+    whiten_by_counts,
+)
+from learner.packing import PackedBatch
 from storage.checkpoint import Checkpoint, load_latest, save_checkpoint
-from system.credit import is_zero_variance
+from system.credit import is_zero_variance, no_signal_stats
+from system.depth_correction import depth_weights
 from system.interfaces import StoreClient, WeightSource
+from system.policy import SamplingConfig
 from system.staleness import batch_metrics, version_lags
 from system.tree import RolloutTree, check_nonfinite_fraction
+
+
+def _attention_of(cfg: Config, device: torch.device) -> Literal["tree", "flex"]:
+    """`learner.tree_attention`: auto = flex on CUDA (no backward on the CPU), the chunked plan elsewhere."""
+    choice = cfg.learner.tree_attention
+    if choice == "flex" and device.type != "cuda":
+        raise ValueError(
+            "learner.tree_attention = flex needs a CUDA learner (FlexAttention has no CPU backward)"
+        )
+    return "flex" if choice == "flex" or (choice == "auto" and device.type == "cuda") else "tree"
 
 
 class Learner:
     """Holds the model, AdamW and the policy version; `step` trains on one fixed rollout batch.
 
-    attention="tree" (default): tree-packed trees (or varlen path sequences) in one unpadded row through the
-    block-sparse tree attention; "mask": one padded row per tree with the dense 4D float mask through the
-    model's own eager/sdpa (path sequences: padded rows, plain causal). `learner.packed_forward` picks trees
-    vs root-to-leaf sequences; both give the same losses and gradients up to float rounding.
+    attention (None: from `learner.tree_attention`): "tree", tree-packed trees (or varlen path sequences) in
+    one unpadded row through the chunked block-sparse SDPA plan; "flex", the same rows through FlexAttention
+    (CUDA); "mask", one padded row per tree with the dense 4D float mask through the model's own eager/sdpa
+    (the reference). `learner.packed_forward` picks trees vs root-to-leaf sequences; all give the same
+    losses and gradients up to float rounding. The model moves to the learner's device (learner/device.py).
     """
 
     def __init__(
@@ -70,22 +92,25 @@ class Learner:
         model: nn.Module,
         cfg: Config,
         optimizer: torch.optim.Optimizer | None = None,
-        attention: Literal["tree", "mask"] = "tree",
+        attention: Literal["tree", "flex", "mask"] | None = None,
         *,
         store: StoreClient | None = None,
         weights: WeightSource | None = None,
         tokenizer: Any = None,
     ):
-        self.model, self.cfg, self.attention = model, cfg, attention
+        self.device = learner_device(cfg)
+        # Dropout off: the first mini-batch then runs exactly at θ_old (s ≡ 0 with recomputed μ).
+        self.model = prepare_model(model, cfg, self.device)
+        self.cfg, self.attention = cfg, attention or _attention_of(cfg, self.device)
         self.store, self.weights, self.tokenizer = store, weights, tokenizer
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
         )
+        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]  # what a warmup scales
+        self.sampling = SamplingConfig.of(cfg.sampler)  # π is scored under the distribution μ sampled from
         self.version = 0
         self.wait_s = 0.0
         self.lag_history: list[int] = []  # per-tree version lags since the last pop, for the histogram
-        # Dropout off: the first mini-batch then runs exactly at θ_old (s ≡ 0 with recomputed μ).
-        self.model.eval()
 
     # ---- the role ---------------------------------------------------------------------------------
     def start(self, resume: bool = False) -> Checkpoint | None:
@@ -135,55 +160,97 @@ class Learner:
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
         t0 = time.perf_counter()
+        self._set_lr()
         kept = self._select(trees)
         stats: dict[str, float] = {
             "learner/trees": float(len(kept)),
             "learner/dropped_trees": float(len(trees) - len(kept)),
         }
-        groups = self._split(kept)
-        batches = [self._pack(g) for g in groups]
+        stats.update(no_signal_stats(trees))
+        batches, targets = self.plan(trees)
         if self.cfg.algo.behavior_logprobs == "recompute":
             batches = self._recompute(batches, stats)
-        self._check_nonfinite(batches)
-        adv = self._advantages(groups, batches)
+        self._check_nonfinite([p for micro in batches for p in micro])
         per_mb: list[dict[str, float]] = []
         for epoch in range(self.cfg.learner.epochs):
-            for j, packed in enumerate(batches):
+            for j, micro in enumerate(batches):
                 first = epoch == 0 and j == 0 and self.cfg.algo.behavior_logprobs == "sampler"
-                per_mb.append(self._train_minibatch(packed, adv[j], measure_mismatch=first))
+                per_mb.append(self._train_minibatch(micro, targets[j], measure_mismatch=first))
         self.version += 1
         stats.update(summarize_minibatches(per_mb))
+        stats["learner/microbatches"] = float(sum(len(micro) for micro in batches))
         stats.update({"learner/step_s": time.perf_counter() - t0, "learner/version": float(self.version)})
+        stats["learner/lr"] = float(self.optimizer.param_groups[0]["lr"])
         return stats
+
+    def _set_lr(self) -> None:
+        """Linear warmup over `learner.warmup_steps` learner steps; a function of the version, so a resumed
+        run continues the same schedule."""
+        warmup = self.cfg.learner.warmup_steps
+        scale = min(1.0, (self.version + 1) / warmup) if warmup else 1.0
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * scale
 
     def _select(self, trees: Sequence[RolloutTree]) -> list[RolloutTree]:
         algo = self.cfg.algo
         if algo.method == "treeopsd" and any(t.credit is None for t in trees):
             raise ValueError("TreeOPSD needs credited trees (tree.credit from the backup actor)")
+        if algo.behavior_logprobs == "recompute":  # μ recomputed here is π at this version: it must be theirs
+            stale = [t.tree_id for t in trees if (t.versions != self.version).any()]
+            if stale:
+                raise ValueError(
+                    f"algo.behavior_logprobs=recompute: trees {stale[:3]} hold turns sampled by another "
+                    f"version than the learner's {self.version}; recompute needs run.mode=sync"
+                )
         drop = algo.zero_var_trees == "drop" or (algo.method == "treepo" and algo.treepo_filter_zero_std)
         return [t for t in trees if not (drop and is_zero_variance(t))]
 
-    def _split(self, trees: list[RolloutTree]) -> list[list[RolloutTree]]:
+    def _split(self, n: int) -> list[list[int]]:
         """Whole trees per mini-batch; the order depends only on (seed, version): a resumed run repeats it."""
         rng = np.random.default_rng([self.cfg.run.seed, self.version])
-        order = rng.permutation(len(trees))
-        return [[trees[i] for i in g] for g in np.array_split(order, self.cfg.learner.minibatches) if len(g)]
+        order = rng.permutation(n)
+        return [g.tolist() for g in np.array_split(order, self.cfg.learner.minibatches) if len(g)]
 
-    def _pack(self, trees: list[RolloutTree]) -> PackedBatch:
-        concat = self.attention == "tree"  # no padding when the mask is never materialized
-        if self.cfg.learner.packed_forward:
-            return pack_trees(trees, concat=concat)
-        return pack_paths(trees, full=self.cfg.algo.method != "treeopsd", concat=concat)
+    def _targets(self, kept: list[RolloutTree], groups: list[list[int]]) -> list[MinibatchTargets]:
+        """Per mini-batch, Z and the per-tree advantages and weights its micro-batches read
+        (learner/minibatch.py). TreePO's Â is whitened over every path token of the whole rollout batch."""
+        algo = self.cfg.algo
+        adv = leaf_advantages(algo.method, kept)
+        if algo.method == "treepo" and adv is not None:
+            adv = whiten_by_counts(adv, path_counts(kept))
+        weights = depth_weights(kept, algo.expected_cost) if algo.depth_correction else None
+        return [
+            minibatch_targets(
+                algo.method,
+                [kept[i] for i in g],
+                None if adv is None else [adv[i] for i in g],
+                None if weights is None else [weights[i] for i in g],
+            )
+            for g in groups
+        ]
 
-    def _recompute(self, batches: list[PackedBatch], stats: dict[str, float]) -> list[PackedBatch]:
+    def _pack(self, trees: list[RolloutTree]) -> list[PackedBatch]:
+        """One mini-batch as its token-budget micro-batches, on the learner's device."""
+        packed, lc = self.cfg.learner.packed_forward, self.cfg.learner
+        plan = plan_microbatches(trees, lc.max_tokens_per_microbatch, packed)
+        full = self.cfg.algo.method != "treeopsd"
+        concat = self.attention != "mask"  # no padding when the mask is never materialized
+        return [pack_microbatch(trees, m, packed, full, concat).to(self.device) for m in plan]
+
+    def _recompute(
+        self, batches: list[list[PackedBatch]], stats: dict[str, float]
+    ) -> list[list[PackedBatch]]:
         """μ := π_θold at the learner (no grad); reports the sampler/learner mismatch over the whole batch."""
         out, k1, k3, n = [], 0.0, 0.0, 0
         with torch.no_grad():
-            for packed in batches:
-                logp = token_logprobs(self.model, packed, self.attention).cpu()
-                a, b, c = mismatch_sums(packed, logp)
-                k1, k3, n = k1 + a, k3 + b, n + c
-                out.append(packed.with_behavior_logp(logp))
+            for micro in batches:
+                out.append([])
+                for packed in micro:
+                    with compute_scope(self.device, self.cfg.learner.precision):
+                        logp = token_logprobs(self.model, packed, self.attention, self.sampling)
+                    a, b, c = mismatch_sums(packed, logp)
+                    k1, k3, n = k1 + a, k3 + b, n + c
+                    out[-1].append(packed.with_behavior_logp(logp))
         stats["learner/mismatch_kl"] = k1 / max(n, 1)
         stats["learner/mismatch_kl_k3"] = k3 / max(n, 1)
         return out
@@ -197,60 +264,43 @@ class Learner:
             affected += int(torch.unique(p.turn_ids[bad]).numel())
         check_nonfinite_fraction(affected, total, self.cfg.algo.nonfinite_turn_limit)
 
-    # ---- advantages (baselines) -------------------------------------------------------------------
-    def _advantages(self, groups: list[list[RolloutTree]], batches: list[PackedBatch]) -> list:
-        """Per-leaf (GRPO/GSPO) or per-pair (TreePO) advantages of each mini-batch; None for TreeOPSD."""
-        method = self.cfg.algo.method
-        if method == "treeopsd":
-            return [None] * len(batches)
-        if method in ("grpo", "gspo"):
-            # One group per tree: standardized leaf reward (ddof = 1, as verl's GRPO).
-            return [grpo_advantages(p.leaf_reward, p.leaf_tree) for p in batches]
-        per_pair = []
-        for trees, p in zip(groups, batches, strict=True):
-            leaf_adv = [treepo_advantages(t.turn_parents(), t.leaf_rewards())[1] for t in trees]
-            per_pair.append(torch.from_numpy(np.concatenate(leaf_adv))[p.pair_seq])
-        masks = [p.effective_mask.flatten()[p.pair_index] for p in batches]
-        # Whitened over every path token of the whole rollout batch (masked_whiten, token level).
-        white = masked_whiten(torch.cat(per_pair), torch.cat(masks))
-        return list(torch.split(white, [len(a) for a in per_pair]))
-
     # ---- one mini-batch ---------------------------------------------------------------------------
-    def _train_minibatch(self, packed: PackedBatch, adv: torch.Tensor | None, measure_mismatch: bool):
-        logp = token_logprobs(self.model, packed, self.attention)
-        loss, st = self._loss(packed, logp, adv)
+    def _train_minibatch(
+        self, micro: list[PackedBatch], targets: MinibatchTargets, measure_mismatch: bool
+    ) -> dict[str, float]:
+        """Gradients of the mini-batch accumulated over its micro-batches, then one clipped AdamW step."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        stats = self.accumulate(micro, targets, measure_mismatch)
         clip = self.cfg.learner.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         self.optimizer.step()
-        st.update(loss=float(loss.detach()), grad_norm=float(norm), tokens=float(packed.num_tokens))
-        st.update(turn_diagnostics(packed, logp.detach().cpu()))
-        if measure_mismatch:
-            a, b, n = mismatch_sums(packed, logp.detach().cpu())
-            st.update(mismatch_kl=a / max(n, 1), mismatch_kl_k3=b / max(n, 1))
-        return st
+        return {**stats, "grad_norm": float(norm)}
 
-    def _loss(self, packed: PackedBatch, logp: torch.Tensor, adv: torch.Tensor | None):
-        algo, method = self.cfg.algo, self.cfg.algo.method
-        logp = logp.cpu() if logp.device.type != "cpu" else logp
-        if method == "treeopsd":
-            on = packed.owned & (packed.turn_ids >= 0)
-            turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
-            loss, _ = treeopsd_loss(logp.flatten(), packed.behavior_logp.flatten(), turn_ids, packed.q)
-            return loss, {}
-        lp = logp.flatten()[packed.pair_index]
-        old = packed.behavior_logp.flatten()[packed.pair_index]
-        mask = packed.effective_mask.flatten()[packed.pair_index]
-        assert adv is not None
-        if method == "grpo":
-            loss, st = grpo_loss(lp, old, adv[packed.pair_seq], mask, *algo.grpo_clip)
-        elif method == "gspo":
-            seq = torch.where(mask, packed.pair_seq, -1)
-            loss, st = gspo_loss(lp, old, adv, seq, *algo.gspo_clip)
-        else:
-            loss, st = treepo_loss(lp, old, adv, mask, *algo.treepo_clip)
-        return loss, {"clip_frac": st["clip_frac"]}
+    def accumulate(
+        self, micro: list[PackedBatch], targets: MinibatchTargets, measure_mismatch: bool = False
+    ) -> dict[str, float]:
+        """Forward and backward each micro-batch into the parameters' .grad (every share is over the
+        mini-batch's Z, so the sum is the one-shot gradient); returns the mini-batch's combined stats."""
+        parts = []
+        for packed in micro:
+            with attention_scope(self.model, packed, self.attention):  # held through backward (checkpointing)
+                with compute_scope(self.device, self.cfg.learner.precision):
+                    logp = token_logprobs(self.model, packed, self.attention, self.sampling)
+                loss, st = microbatch_loss(self.cfg.algo, packed, logp, targets)
+                loss.backward()
+            st.update(loss=float(loss.detach()), tokens=float(packed.num_tokens))
+            st.update(turn_diagnostics(packed, logp.detach()))
+            if measure_mismatch:
+                a, b, n = mismatch_sums(packed, logp.detach())
+                st.update(mismatch_k1_sum=a, mismatch_k3_sum=b, mismatch_n=float(n))
+            parts.append(st)
+        return combine_microbatches(parts)
+
+    def plan(self, trees: Sequence[RolloutTree]) -> tuple[list[list[PackedBatch]], list[MinibatchTargets]]:
+        """The mini-batches of `trees` as packed micro-batches and their targets, as `step` trains them."""
+        kept = self._select(trees)
+        groups = self._split(len(kept))
+        return [self._pack([kept[i] for i in g]) for g in groups], self._targets(kept, groups)
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:

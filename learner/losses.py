@@ -144,6 +144,7 @@ def treeopsd_loss(
     *,
     teacher_logits: bool = False,
     z_total: float | torch.Tensor | None = None,
+    turn_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """TreeOPSD loss L = Σ_i ℓ_i KL(q_i || σ(s_i)) / Z over the turns with ℓ_i > 0 (docs/algorithm.md §5).
 
@@ -154,7 +155,9 @@ def treeopsd_loss(
         q: [n] teacher probabilities q_i ∈ [0, 1]; detached. With ``teacher_logits=True``, ``q`` holds
             logit(q_i) = log r*_i instead (any real), and KL is evaluated from logsigmoid of it.
         z_total: normalizer override Z (e.g. the global loss-token count over micro-batches and DP ranks);
-            default Σ ℓ_i of this call. Must be > 0 when this call has loss tokens.
+            default Σ ℓ_i of this call (Σ w_i ℓ_i with weights). Must be > 0 when this call has loss tokens.
+        turn_weights: [n] w_i ≥ 0 multiplying each turn's ℓ_i in the sum and in Z (the depth correction,
+            docs/algorithm.md §5.3); None: w ≡ 1.
 
     Computed in float32, or float64 if any input is float64. Behavior (§10):
       * loss tokens whose logp or behavior_logp is NaN/±inf are dropped from s_i and ℓ_i and counted;
@@ -166,7 +169,7 @@ def treeopsd_loss(
 
     Returns ``(loss, stats)``; stats (python floats, over turns with ℓ_i > 0 of this call):
         mean_abs_s, max_abs_s: turn-mean and max of |s_i|;
-        kl_to_target: token-weighted mean KL, Σ ℓ_i KL_i / Σ ℓ_i (ignores ``z_total``);
+        kl_to_target: token-weighted mean KL, Σ w_i ℓ_i KL_i / Σ w_i ℓ_i (ignores ``z_total``);
         overshoot_frac: fraction of turns that passed their target. The residual σ(s)−q has at the behavior
             policy (s = 0) the value 1/2 − q; a turn is overshot iff its current residual has the strictly
             opposite sign, i.e. s* = logit(q) lies strictly between 0 and s. A turn with q = 1/2 exactly
@@ -177,22 +180,30 @@ def treeopsd_loss(
     if q.dim() != 1:
         raise ValueError(f"q must be 1-D [n_turns], got {tuple(q.shape)}")
     turns = _segment_turns(logp, behavior_logp, turn_ids, q.shape[0], dtype)
-    q_p, s_star = _teacher(q, dtype, teacher_logits)
     act = turns.active
-    # Inactive turns read a neutral teacher so that an unused NaN/out-of-range q cannot leak in.
-    q_p = torch.where(act, q_p, 0.5)
-    s_star = torch.where(act, s_star, 0.0)
+    q_p, s_star = _active_teacher(q, act, dtype, teacher_logits)
+    kl = _kl(q_p, turns.s, s_star if teacher_logits else None)
+    kl = kl + (kl.clamp(min=0.0) - kl).detach()
+    ell = turns.ell if turn_weights is None else turns.ell * turn_weights.to(dtype=dtype, device=logp.device)
+    weighted = torch.where(act, ell * kl, 0.0).sum()
+    z = _normalizer(ell, z_total, dtype, logp.device)
+    loss = weighted / torch.where(z > 0, z, torch.ones_like(z))
+    return loss, _turn_stats(turns, s_star, float(weighted.detach()) / max(float(ell.sum()), 1e-300), dtype)
+
+
+def _active_teacher(
+    q: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, teacher_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s*) on the turns with loss tokens, checked; inactive turns read a neutral teacher, so that an
+    unused NaN or out-of-range q cannot leak in."""
+    q_p, s_star = _teacher(q, dtype, teacher_logits)
+    q_p, s_star = torch.where(act, q_p, 0.5), torch.where(act, s_star, 0.0)
     if teacher_logits:
         if not bool(torch.isfinite(s_star).all()):
             raise ValueError("teacher logits must be finite for every turn with loss tokens")
     elif bool(((q_p < 0) | (q_p > 1) | torch.isnan(q_p)).any()):
         raise ValueError("q must lie in [0, 1] for every turn with loss tokens")
-    kl = _kl(q_p, turns.s, s_star if teacher_logits else None)
-    kl = kl + (kl.clamp(min=0.0) - kl).detach()
-    weighted = torch.where(act, turns.ell * kl, 0.0).sum()
-    z = _normalizer(turns.ell, z_total, dtype, logp.device)
-    loss = weighted / torch.where(z > 0, z, torch.ones_like(z))
-    return loss, _turn_stats(turns, s_star, float(weighted.detach()), dtype)
+    return q_p, s_star
 
 
 def _normalizer(
@@ -208,7 +219,7 @@ def _normalizer(
 
 
 @torch.no_grad()
-def _turn_stats(turns: _Turns, s_star: torch.Tensor, weighted: float, dtype: torch.dtype) -> dict[str, float]:
+def _turn_stats(turns: _Turns, s_star: torch.Tensor, kl_mean: float, dtype: torch.dtype) -> dict[str, float]:
     act = turns.active
     n_act, num_tokens = int(act.sum()), float(turns.ell.sum())
     s_a, s_star_a = turns.s[act], s_star[act]
@@ -218,7 +229,7 @@ def _turn_stats(turns: _Turns, s_star: torch.Tensor, weighted: float, dtype: tor
     return {
         "mean_abs_s": float(abs_s.mean()) if n_act else 0.0,
         "max_abs_s": float(abs_s.max()) if n_act else 0.0,
-        "kl_to_target": weighted / num_tokens if num_tokens > 0 else 0.0,
+        "kl_to_target": kl_mean if num_tokens > 0 else 0.0,
         "overshoot_frac": float(overshot.to(dtype).mean()) if n_act else 0.0,
         "num_turns": float(n_act),
         "num_tokens": num_tokens,

@@ -2,15 +2,16 @@
 
 A dense additive mask makes attention cost T² for a packed tree although each token only sees its own
 root-to-token path; on CPU that term dominated the tree-packed step (80 % of it for the tiny model), making it
-slower than path-by-path. The plan below computes exactly the same attention, chunk by chunk:
+slower than path-by-path. The plan below computes exactly the same attention, chunk by chunk, straight from
+the packed batch's node segments (`PackedBatch.segments`: start, end, parent segment), never from a mask:
 
-    runs    maximal stretches of consecutive packed tokens on one chain (a new run starts where token t
-            cannot see t−1, i.e. at the first token of a branch that does not follow its parent)
-    chunks  runs cut into ≤ `chunk` query tokens; the last query of a chunk sees every key any earlier query
-            of the chunk sees (a chain), so keys(chunk) = allowed[last query] and its mask is allowed[q, keys]
+    runs    maximal chains of segments that follow one another in the row (each the parent of the next)
+    chunks  runs cut into ≤ `chunk` query tokens; a chunk's keys are its run's ancestor segments, whole,
+            and the run up to the chunk's last query (the last query sees every key an earlier one does)
     groups  chunks sorted by key count and batched while the padding stays below `waste`; one SDPA call each
 
-so the work is Σ_chunks chunk · |path| instead of T² and no chunk spans two branches. The result equals the
+so the work is Σ_chunks chunk · |path|, the plan's memory Σ_chunks chunk · |path| bytes (not T²), and no
+chunk spans two branches. The result equals the
 dense-mask forward to float rounding (tests/unit/test_packing.py). Registered as the transformers attention
 implementation `TREE_ATTENTION`; `forward.token_logprobs` switches the model to it only for the duration of
 a tree-packed forward and passes the plan through the model's attention kwargs.
@@ -18,8 +19,7 @@ a tree-packed forward and passes the plan through the model's attention kwargs.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -67,17 +67,36 @@ class TreePlan:
         return self._masks[key]
 
 
+def _runs(segments: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int, int, list[int]]]:
+    """(row, start, end, ancestor segment ids of the run's first segment) per run."""
+    runs: list[tuple[int, int, int, list[int]]] = []
+    for k, (row, start, end, parent) in enumerate(segments):
+        if runs and parent == k - 1 and runs[-1][0] == row and runs[-1][2] == start:
+            r = runs[-1]
+            runs[-1] = (row, r[1], end, r[3])
+            continue
+        ancestors, a = [], parent
+        while a >= 0:
+            ancestors.append(a)
+            a = segments[a][3]
+        runs.append((row, start, end, ancestors[::-1]))
+    return runs
+
+
 def _chunks(
-    allowed: np.ndarray, offset: int, chunk: int
+    segments: Sequence[tuple[int, int, int, int]], row_len: int, chunk: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(query indices, key indices, mask block) of each chunk of one tree block."""
-    n = allowed.shape[0]
-    starts = [0, *(np.flatnonzero(~allowed[np.arange(1, n), np.arange(n - 1)]) + 1).tolist(), n]
-    for r0, r1 in itertools.pairwise(starts):
+    """(query indices, key indices, mask block) of each chunk, flat over the [B, row_len] batch."""
+    for row, r0, r1, ancestors in _runs(segments):
+        base = row * row_len
+        above = [np.arange(segments[a][1], segments[a][2]) for a in ancestors]
+        above_keys = np.concatenate([np.zeros(0, np.int64), *above])
         for c0 in range(r0, r1, chunk):
             c1 = min(c0 + chunk, r1)
-            keys = np.flatnonzero(allowed[c1 - 1])
-            yield offset + np.arange(c0, c1), offset + keys, allowed[c0:c1][:, keys]
+            own = np.arange(r0, c1)
+            mask = np.ones((c1 - c0, len(above_keys) + len(own)), bool)
+            mask[:, len(above_keys) :] = own[None, :] <= np.arange(c0, c1)[:, None]  # causal in the run
+            yield base + np.arange(c0, c1), base + np.concatenate([above_keys, own]), mask
 
 
 def _group(batch: list, q0: int, k0: int) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, list]:
@@ -95,14 +114,15 @@ def _group(batch: list, q0: int, k0: int) -> tuple[tuple[int, ...], np.ndarray, 
 
 
 def build_plan(
-    blocks: tuple[tuple[int, int, np.ndarray], ...],
+    segments: Sequence[tuple[int, int, int, int]],
     num_tokens: int,
     row_len: int,
     chunk: int = 32,
     waste: float = 1.25,
 ) -> TreePlan:
-    """Plan for `PackedBatch.blocks` (row, start, allowed) of a [B, row_len] batch with B·row_len tokens."""
-    pieces = [c for row, start, a in blocks for c in _chunks(a, row * row_len + start, chunk)]
+    """Plan for `PackedBatch.segments` (row, start, end, parent) of a [B, row_len] batch of B·row_len
+    tokens."""
+    pieces = list(_chunks(segments, row_len, chunk))
     pieces.sort(key=lambda c: -len(c[1]))
     shapes, allowed, q_perm, k_perm, slots = [], [], [], [], []
     q0 = k0 = i = 0

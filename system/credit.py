@@ -32,6 +32,7 @@ one numpy step per depth level, deepest first, so the cost is O(n log n + depth)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -333,6 +334,19 @@ def credit_rollout_tree(tree: RolloutTree, algo: AlgoConfig) -> RolloutTree:
 
 
 def is_zero_variance(tree: RolloutTree) -> bool:
-    """All K rewards equal (or K < 2): V ≡ 0, q ≡ 1/2 — `zero_var_trees = drop` removes such trees."""
+    """No signal: K < 2 leaves, or a leaf-reward sample std below the threshold standardization uses (so
+    z ≡ 0, V ≡ 0, q ≡ 1/2): `zero_var_trees = drop` removes such trees (docs/algorithm.md §10)."""
     r = tree.leaf_rewards()
-    return len(r) < 2 or float(np.ptp(r)) == 0.0
+    return len(r) < 2 or float(np.std(r, ddof=1)) < ZERO_STD
+
+
+def no_signal_stats(trees: Sequence[RolloutTree]) -> dict[str, float]:
+    """`learner/no_signal_frac`: trees with no signal (single-member groups, single-leaf trees, all leaf
+    rewards equal); `tree/unbranched_frac`: trees where no branch could grow (every trunk one turn, or N = 0):
+    their credit is a flat group's."""
+    n = max(len(trees), 1)
+    unbranched = sum(all(len(c) <= 1 for c in t.children[1:]) for t in trees)
+    return {
+        "learner/no_signal_frac": sum(map(is_zero_variance, trees)) / n,
+        "tree/unbranched_frac": unbranched / n,
+    }

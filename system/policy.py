@@ -13,9 +13,12 @@ Usage::
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from configs.schema import SamplerConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,21 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     seed: int | None = None
+
+    @classmethod
+    def of(cls, sampler: SamplerConfig, greedy: bool = False, seed: int | None = None) -> SamplingConfig:
+        """The distribution `sampler.*` configures (greedy: temperature 0, the model's argmax); the samplers
+        draw from it and the learner scores under it (system/sampling.py)."""
+        if greedy:
+            return cls(temperature=0.0, seed=seed)
+        return cls(sampler.temperature, sampler.top_p, sampler.top_k or -1, seed)
+
+
+def mix_seed(base: int, n: int) -> int:
+    """An independent, reproducible seed for request n of a backend seeded with `base` (a hash, so nearby
+    (base, n) pairs don't correlate): each request's draws then depend only on it, not on its batch."""
+    digest = hashlib.blake2b(f"{base}:{n}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 @dataclass(frozen=True)

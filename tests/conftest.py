@@ -37,3 +37,11 @@ def tiny_model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
     save_tiny(folder, tokenizer_texts(SyntheticKBEnv(), n_questions=300, n_oracle=30), seed=0)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The small BPE tokenizer of the learner tests (tests/learner_fixtures.py)."""
+    from learner_fixtures import small_tokenizer
+
+    return small_tokenizer()

@@ -84,16 +84,16 @@ def make_env(name: str, **kwargs: Any) -> ToolEnv:
 
 
 def load_tasks(name: str, split: str = "train", path: str | Path | None = None, **kwargs: Any) -> list[Task]:
-    """Tasks by env name. ``synthetic_kb`` generates ``split`` ("train"/"eval") from ``config=`` (KBConfig)
-    and passes other kwargs to train_questions/eval_questions; the others read ``path`` (``fmt=``,
-    ``dataset=`` for multihop_qa; ``decrypt=``, ``canary=`` for deep_research)."""
+    """Tasks by env name. ``synthetic_kb`` generates ``split`` ("train", "eval" or "val") from ``config=``
+    (KBConfig) and passes other kwargs to train_questions/held_out_questions; the others read ``path``
+    (``fmt=``, ``dataset=`` for multihop_qa; ``decrypt=``, ``canary=`` for deep_research)."""
     if name == "synthetic_kb":
-        from actors.envs.synthetic_kb import eval_questions, generate_kb, train_questions
+        from actors.envs.synthetic_kb import generate_kb, held_out_questions, train_questions
 
         kb = generate_kb(kwargs.pop("config", None))
-        if split not in ("train", "eval"):
-            raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
-        return train_questions(kb, **kwargs) if split == "train" else eval_questions(kb, **kwargs)
+        if split not in ("train", "eval", "val"):
+            raise ValueError(f"unknown split {split!r}; use 'train', 'eval' or 'val'")
+        return train_questions(kb, **kwargs) if split == "train" else held_out_questions(kb, split, **kwargs)
     if name not in ENV_NAMES:
         raise ValueError(f"unknown environment {name!r}; known: {ENV_NAMES}")
     if path is None:

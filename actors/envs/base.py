@@ -151,6 +151,11 @@ class ToolEnv:
     def restore(self, snapshot: object) -> None:
         return None
 
+    def metrics(self) -> dict[str, float]:
+        """Counters of the search backend, e.g. ``env/retrieval_errors`` of a retrieval-service client."""
+        index = getattr(self, "index", None)
+        return dict(index.metrics()) if hasattr(index, "metrics") else {}
+
     def max_turns_result(self) -> StepResult:
         """The terminal result the loop records when the policy used up max_turns without answering."""
         return StepResult(None, True, 0.0, None, {"finish": FINISH_MAX_TURNS})

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import bm25s
 import numpy as np
 
 from storage.durable import write_atomic
@@ -42,6 +41,8 @@ class Retriever(Protocol):
 
 
 def _tokenize(texts: list[str], *, return_ids: bool) -> Any:
+    import bm25s  # on first use: a client of the retrieval service never loads bm25s (numba, scipy)
+
     return bm25s.tokenize(texts, stopwords="en", return_ids=return_ids, show_progress=False)
 
 
@@ -61,6 +62,8 @@ class Bm25Index:
                 raise ValueError(f"duplicate passage id {doc_id!r} at positions {self._pos[doc_id]} and {i}")
             self._pos[doc_id] = i
         if _retriever is None:
+            import bm25s
+
             _retriever = bm25s.BM25()
             _retriever.index(_tokenize(self.texts, return_ids=True), show_progress=False)
         self._bm25 = _retriever
@@ -93,19 +96,14 @@ class Bm25Index:
         if not known:
             return []
         scores = np.asarray(self._bm25.get_scores(known), dtype=np.float64)
-        k = min(topk, len(scores))
-        if k < len(scores):
+        cand = np.flatnonzero(scores > 0)  # a score of 0 is never returned; most documents have one
+        k = min(topk, len(cand))
+        if k < len(cand):
             # Keep everything tied with the k-th best, then sort by (-score, position): stable under ties.
-            kth = np.partition(scores, len(scores) - k)[len(scores) - k]
-            cand = np.flatnonzero(scores >= kth)
-        else:
-            cand = np.arange(len(scores))
+            kth = np.partition(scores[cand], len(cand) - k)[len(cand) - k]
+            cand = cand[scores[cand] >= kth]
         order = cand[np.lexsort((cand, -scores[cand]))][:k]
-        return [
-            {"id": self.ids[i], "contents": self.texts[i], "score": float(scores[i])}
-            for i in order
-            if scores[i] > 0
-        ]
+        return [{"id": self.ids[i], "contents": self.texts[i], "score": float(scores[i])} for i in order]
 
     def save(self, directory: str | Path) -> None:
         """Write the bm25s arrays plus our own ``passages.jsonl`` (ids and texts, in index order)."""
@@ -122,6 +120,8 @@ class Bm25Index:
 
     @classmethod
     def load(cls, directory: str | Path) -> Bm25Index:
+        import bm25s
+
         path = Path(directory)
         ids, texts = [], []
         with open(path / _PASSAGES_FILE, encoding="utf-8") as fh:

@@ -39,6 +39,7 @@ ENTITY_TYPES = ("person", "company", "city", "country")
 SYSTEM_PROMPT = "Use search: <query> or answer: <answer>."
 COMPANY_SUFFIXES = ("Corp", "Labs", "Group", "Works")
 TRAIN_SEED, EVAL_SEED = 1, 2
+HELD_OUT_PER_HOP = 500  # questions per hop count the eval and the validation split can each hold
 DATASET = "synthetic_kb"
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr", "st")
@@ -166,18 +167,47 @@ def _task(kb: KnowledgeBase, task_id: str, start: str, path: tuple[str, ...]) ->
     return Task(task_id, question_text(start, path), (chain[-1],), DATASET, meta)
 
 
+def _held_out_pool(kb: KnowledgeBase, k: int, seed: int = EVAL_SEED) -> list[tuple[str, tuple[str, ...]]]:
+    """Every k-hop (start, path), shuffled once: the first `held_out_size` are the eval split's, the next
+    as many the validation split's; training never sees either (`train_questions`)."""
+    pool = _chains(kb, k)
+    random.Random(seed * 1000 + k).shuffle(pool)
+    return pool
+
+
+def held_out_size(pool_size: int) -> int:
+    """Questions each held-out split reserves per hop count: HELD_OUT_PER_HOP, or a quarter of the k-hop
+    questions of a small knowledge base (half of them then stays for training)."""
+    return min(HELD_OUT_PER_HOP, pool_size // 4)
+
+
+def held_out_questions(
+    kb: KnowledgeBase, split: str, per_hop: int = 40, hops: tuple[int, ...] = (2, 3, 4), seed: int = EVAL_SEED
+) -> list[Task]:
+    """``per_hop`` questions per hop count of the eval split ("eval") or the validation split ("val");
+    disjoint from each other and from training, and prefix-stable (a smaller per_hop is a subset)."""
+    if split not in ("eval", "val") or not 1 <= per_hop <= HELD_OUT_PER_HOP:
+        raise ValueError(f"held-out split {split!r} with {per_hop} per hop: eval|val, 1..{HELD_OUT_PER_HOP}")
+    tasks = []
+    for k in hops:
+        pool = _held_out_pool(kb, k, seed)
+        size = held_out_size(len(pool))
+        if per_hop > size:
+            raise ValueError(
+                f"{per_hop} {k}-hop questions asked of the {split} split, which holds {size} "
+                f"(a quarter of the knowledge base's {len(pool)}, at most {HELD_OUT_PER_HOP})"
+            )
+        offset = 0 if split == "eval" else size
+        picked = pool[offset : offset + per_hop]
+        tasks += [_task(kb, f"kb-{split}-{k}hop-{i:03d}", s, p) for i, (s, p) in enumerate(picked)]
+    return tasks
+
+
 def eval_questions(
     kb: KnowledgeBase, per_hop: int = 40, hops: tuple[int, ...] = (2, 3, 4), seed: int = EVAL_SEED
 ) -> list[Task]:
-    """The held-out split: ``per_hop`` questions per hop count (120 by default)."""
-    tasks = []
-    for k in hops:
-        pool = _chains(kb, k)
-        random.Random(seed * 1000 + k).shuffle(pool)
-        if len(pool) < per_hop:
-            raise ValueError(f"only {len(pool)} distinct {k}-hop questions, asked for {per_hop}")
-        tasks += [_task(kb, f"kb-eval-{k}hop-{i:03d}", s, p) for i, (s, p) in enumerate(pool[:per_hop])]
-    return tasks
+    """The held-out evaluation split: ``per_hop`` questions per hop count (120 by default)."""
+    return held_out_questions(kb, "eval", per_hop, hops, seed)
 
 
 def train_questions(
@@ -188,12 +218,13 @@ def train_questions(
     exclude: list[Task] | None = None,
 ) -> list[Task]:
     """Training questions with hop counts in ``hops`` (inclusive), none sharing (start, path) with
-    ``exclude`` (default: the default eval split). Hop counts are interleaved round-robin; ``n=None``
-    takes every available question."""
-    excluded = eval_questions(kb) if exclude is None else exclude
-    banned = {(t.meta["chain"][0], tuple(t.meta["path"])) for t in excluded}
+    ``exclude`` (default: every question the eval and validation splits can hold, at any size). Hop counts
+    are interleaved round-robin; ``n=None`` takes every available question."""
     pools = []
     for k in range(hops[0], hops[1] + 1):
+        every = _held_out_pool(kb, k)
+        held = every[: 2 * held_out_size(len(every))] if exclude is None else []
+        banned = set(held) | {(t.meta["chain"][0], tuple(t.meta["path"])) for t in exclude or []}
         pool = [c for c in _chains(kb, k) if c not in banned]
         random.Random(seed * 1000 + k).shuffle(pool)
         pools.append(pool)
@@ -242,12 +273,13 @@ class SyntheticKBEnv(ToolEnv):
         return "\n".join(h["contents"] for h in hits) if hits else "no results"
 
     def tasks(self, split: str, **kwargs: object) -> list[Task]:
-        """``split`` is "train" (kwargs of ``train_questions``) or "eval" (kwargs of ``eval_questions``)."""
+        """``split`` is "train" (kwargs of ``train_questions``), "eval" or "val" (validation; kwargs of
+        ``held_out_questions``: per_hop, hops)."""
         if split == "train":
             return train_questions(self.kb, **kwargs)  # type: ignore[arg-type]
-        if split == "eval":
-            return eval_questions(self.kb, **kwargs)  # type: ignore[arg-type]
-        raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
+        if split in ("eval", "val"):
+            return held_out_questions(self.kb, split, **kwargs)  # type: ignore[arg-type]
+        raise ValueError(f"unknown split {split!r}; use 'train', 'eval' or 'val'")
 
     def oracle_turns(self, task: Task) -> list[tuple[str, str | None]]:
         """SFT trajectory: (assistant text, tool observation) per turn; the last turn answers (obs None).

@@ -5,13 +5,17 @@ carries the full context as ids; with `parent_key` the stored `DynamicCache` of 
 for the longest common prefix (the whole parent when the new context extends it, a cropped copy when it
 branches off earlier, a full prefill when nothing is shared), and only the new suffix is fed.
 
-Log-probs are those of the *sampling distribution*: log-softmax of logits/T with tokens outside top-k/top-p
-removed and the rest renormalized (`sampling_logprobs`). At the defaults (T=1, top-p 1, top-k off) these are
-the model's own log-probs. Temperature 0 means greedy (argmax) and reports the model's log-probs (T=1).
-`score` applies the same transform, so score(sampled ids) reproduces the sampled log-probs.
+Log-probs are those of the *sampling distribution* (`system/sampling.py:sampling_logprobs`, the one the
+learner scores with too): log-softmax of logits/T with tokens outside top-k/top-p removed and the rest
+renormalized. At the defaults (T=1, top-p 1, top-k off) these are the model's own log-probs. Temperature 0
+means greedy (argmax) and reports the model's log-probs (T=1). `score` applies the same transform, so
+score(sampled ids) reproduces the sampled log-probs.
 
-Requests in one `sample` call run one after another (no padding/batching), in order, drawing from one
-seeded `torch.Generator`: the same call sequence on the same weights gives the same ids.
+Requests in one `sample` call decode in lock step (`actors/policy/hf_batch.py`: each row prefilled into its
+own cache, the caches left-padded into one batch, one forward per step for all rows), or one after another
+with `batch=False`. Each request draws from its own generator, seeded from the backend's seed and the
+request's number, so the draws of a request do not depend on the others in its call: the same call sequence
+on the same weights gives the same ids either way (up to float rounding of the batched matmuls).
 
 Usage::
 
@@ -25,7 +29,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,29 +38,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from actors.policy import hf_batch
 from actors.policy.tiny_model import load_model, set_threads
-from system.policy import SampleRequest, SampleResult, SamplingConfig
-
-
-def sampling_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """[..., V] fp32 logits -> [..., V] log-probs of the sampling distribution (-inf outside top-k/top-p).
-
-    Greedy (T <= 0) returns the model's log-probs: the argmax is what is sampled, its log-prob is the model's.
-    """
-    logits = logits.float()
-    if cfg.temperature <= 0:
-        return torch.log_softmax(logits, dim=-1)
-    scaled = logits / cfg.temperature
-    if 0 < cfg.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, cfg.top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    if cfg.top_p < 1.0:
-        probs, order = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True)
-        # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, -math.inf)
-    return torch.log_softmax(scaled, dim=-1)
+from system.policy import SampleRequest, SampleResult, SamplingConfig, mix_seed
+from system.sampling import sampling_logprobs
 
 
 @dataclass
@@ -85,6 +70,7 @@ class HFBackend:
         device: str = "cpu",
         max_cached_sessions: int = 512,
         dtype: torch.dtype = torch.float32,
+        batch: bool = True,
     ) -> None:
         set_threads(threads)
         if isinstance(model_path_or_model, str | Path):
@@ -98,16 +84,24 @@ class HFBackend:
         self.device = torch.device(device)
         self.max_cached_sessions = max_cached_sessions
         self.version = 0
-        self.generator = torch.Generator(device="cpu")
-        if sampling.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(sampling.seed)
+        self.batch = batch
+        self._sliding = any(layer.is_sliding for layer in DynamicCache(config=self.model.config).layers)
+        self._seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
+        self._n_requests = 0
         self._caches: OrderedDict[str, _Entry] = OrderedDict()
 
     # ---- PolicyBackend -------------------------------------------------------------------------------
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        return [self._sample_one(r) for r in requests]
+        gens = [self._generator() for _ in requests]
+        if self.batch and len(requests) > 1 and not self._sliding:
+            return self._sample_batch(list(requests), gens)
+        return [self._sample_one(r, g) for r, g in zip(requests, gens, strict=True)]
+
+    def _generator(self) -> torch.Generator:
+        """Request n's own draws: seeded from (backend seed, n), whatever else shares its `sample` call."""
+        gen = torch.Generator(device="cpu").manual_seed(mix_seed(self._seed, self._n_requests))
+        self._n_requests += 1
+        return gen
 
     @torch.inference_mode()
     def score(self, context: Sequence[int], start: int) -> list[float]:
@@ -156,16 +150,19 @@ class HFBackend:
     def cached_sessions(self) -> int:
         return len(self._caches)
 
-    def _start_cache(self, req: SampleRequest, context: list[int]) -> tuple[DynamicCache, int]:
+    def _start_cache(
+        self, req: SampleRequest, context: list[int], shared: bool = False
+    ) -> tuple[DynamicCache, int]:
         """A cache holding the K/V of context[:n] and that n (0 = fresh). Never mutates a stored cache
-        that someone else may branch from; at least one context token is always left to feed."""
+        that someone else may branch from (`shared`: another request of the batch reads the same parent);
+        at least one context token is always left to feed."""
         entry = self._caches.get(req.parent_key) if req.parent_key is not None else None
         if entry is None or any(layer.is_sliding for layer in entry.cache.layers):
             return DynamicCache(config=self.model.config), 0
         n = min(_common_prefix(entry.ids, context), len(context) - 1)
         if n <= 0:
             return DynamicCache(config=self.model.config), 0
-        if req.parent_key == req.cache_key:
+        if req.parent_key == req.cache_key and not shared:
             # The entry is about to be replaced under the same key: extend it in place, no copy.
             del self._caches[req.parent_key]
             entry.cache.crop(n - len(entry.ids))  # negative: number of tokens to remove (0: no-op)
@@ -190,21 +187,24 @@ class HFBackend:
         out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float().cpu()
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, float]:
-        lps = sampling_logprobs(logits, self.sampling)
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float]:
+        return self._draw(sampling_logprobs(logits, self.sampling), generator)
+
+    def _draw(self, lps: torch.Tensor, generator: torch.Generator) -> tuple[int, float]:
+        """One token from the [V] log-probs of the sampling distribution (argmax when greedy)."""
         if self.sampling.temperature <= 0:
             tok = int(torch.argmax(lps))
         else:
             # Inverse CDF with one uniform per token: explicit, so the draw sequence is easy to reason about.
             cdf = lps.double().exp().cumsum(0)
-            u = torch.rand((), generator=self.generator, dtype=torch.float64) * cdf[-1]
+            u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
             tok = min(int(torch.searchsorted(cdf, u, right=True)), lps.shape[0] - 1)
             while not math.isfinite(float(lps[tok])):  # float edge at the top of the CDF: step back
                 tok -= 1
         return tok, float(lps[tok])
 
     @torch.inference_mode()
-    def _sample_one(self, req: SampleRequest) -> SampleResult:
+    def _sample_one(self, req: SampleRequest, generator: torch.Generator) -> SampleResult:
         context = [int(t) for t in req.context]
         if not context:
             raise ValueError("SampleRequest.context must hold at least one token")
@@ -215,7 +215,7 @@ class HFBackend:
         logprobs: list[float] = []
         finish = "length"
         for step in range(req.max_new_tokens):
-            tok, lp = self._pick(logits)
+            tok, lp = self._pick(logits, generator)
             tokens.append(tok)
             logprobs.append(lp)
             if tok in stops:
@@ -228,3 +228,53 @@ class HFBackend:
             self._store(req.cache_key, seq[: cache.get_seq_length()], cache)
         info = {"version": self.version, "prefill_tokens": len(context) - reused}
         return SampleResult(tokens, logprobs, finish, cached_prefix_tokens=reused, info=info)
+
+    @torch.inference_mode()
+    def _sample_batch(self, reqs: list[SampleRequest], gens: list[torch.Generator]) -> list[SampleResult]:
+        """All requests in lock step, the prefill too (actors/policy/hf_batch.py); the same results as one
+        at a time."""
+        contexts, caches, reused = [], [], []
+        parents = Counter(r.parent_key for r in reqs if r.parent_key is not None)
+        for req in reqs:
+            context = [int(t) for t in req.context]
+            if not context:
+                raise ValueError("SampleRequest.context must hold at least one token")
+            cache, n = self._start_cache(req, context, shared=parents[req.parent_key] > 1)
+            contexts.append(context)
+            caches.append(cache)
+            reused.append(n)
+        suffixes = [c[n:] for c, n in zip(contexts, reused, strict=True)]
+        state, logits = hf_batch.prefill(self.model, caches, suffixes, self.device)
+        tokens, lps = self._decode_lockstep(reqs, gens, logits, state)
+        out = []
+        for i, req in enumerate(reqs):
+            fed = max(len(tokens[i]) - 1, 0)  # the last sampled token is fed by the next turn
+            if req.cache_key is not None:
+                ids = (contexts[i] + tokens[i])[: len(contexts[i]) + fed]
+                self._store(req.cache_key, ids, hf_batch.row_cache(state, i, fed, self.model.config))
+            stopped = bool(tokens[i]) and tokens[i][-1] in req.stop_token_ids
+            info = {"version": self.version, "prefill_tokens": len(contexts[i]) - reused[i]}
+            finish = "stop" if stopped else "length"
+            out.append(SampleResult(tokens[i], lps[i], finish, cached_prefix_tokens=reused[i], info=info))
+        return out
+
+    def _decode_lockstep(self, reqs, gens, logits, state) -> tuple[list, list]:
+        """Picks a token for every live row, then feeds them all in one forward; a row ends at a stop token
+        or its max_new_tokens (its later steps are computed and discarded)."""
+        tokens: list[list[int]] = [[] for _ in reqs]
+        lps: list[list[float]] = [[] for _ in reqs]
+        live = [r.max_new_tokens > 0 for r in reqs]
+        while any(live):
+            feed = torch.zeros(len(reqs), 1, dtype=torch.long)
+            dist = sampling_logprobs(logits, self.sampling)  # every row's distribution in one pass
+            for i, req in enumerate(reqs):
+                if not live[i]:
+                    continue
+                tok, lp = self._draw(dist[i], gens[i])
+                tokens[i].append(tok)
+                lps[i].append(lp)
+                live[i] = tok not in req.stop_token_ids and len(tokens[i]) < req.max_new_tokens
+                feed[i, 0] = tok
+            if any(live):
+                logits = hf_batch.step(self.model, state, feed, self.device)
+        return tokens, lps

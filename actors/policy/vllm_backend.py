@@ -29,7 +29,6 @@ Semantics the agent loop can rely on (checked by tests/component/test_vllm_backe
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from system.policy import SampleRequest, SampleResult, SamplingConfig
+from system.policy import SampleRequest, SampleResult, SamplingConfig, mix_seed
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +66,6 @@ def _import_vllm() -> Any:
             "(pip install -e '.[gpu]', CUDA). Use the HF backend otherwise."
         ) from exc
     return vllm
-
-
-def _mix_seed(base: int, n: int) -> int:
-    """Independent, reproducible per-request seed (a hash, so nearby (base, n) pairs don't correlate)."""
-    digest = hashlib.blake2b(f"{base}:{n}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _local_model_dir(model_path: str) -> Path | None:
@@ -191,7 +184,7 @@ class VLLMBackend:
         cfg = self.sampling
         seed = None
         if self._seed is not None:
-            seed = _mix_seed(self._seed, self._n_requests)
+            seed = mix_seed(self._seed, self._n_requests)
         self._n_requests += 1
         return self._sampling_params_cls(
             temperature=cfg.temperature,

@@ -7,60 +7,17 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from learner_fixtures import config, flat_params, make_trees, on_policy
 from transformers import AutoModelForCausalLM
 
-from actors.policy.tiny_model import build_tiny_model, build_tokenizer
-from benchmarks.bench_learner import random_rollout_tree
-from configs.schema import parse_config
+from actors.policy.tiny_model import build_tiny_model
 from learner.forward import token_logprobs
 from learner.learner import Learner
 from learner.packing import pack_tree
 from storage.checkpoint import load_latest
-from system.credit import credit_rollout_tree
 from system.tree import RolloutTree
 
 torch.set_num_threads(1)
-SMALL = {"prompt": (4, 8), "turn": (3, 6), "obs": (2, 4), "turns": (1, 3)}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer(["the quick brown fox jumps over the lazy dog"] * 4, vocab_size=300)
-
-
-def config(**sections):
-    data = {"algo": {"rho": 0.4}, "learner": {"minibatches": 2, "lr": 3e-3}}
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return parse_config(data)
-
-
-def make_trees(tok, n=3, seed=0, **kw):
-    rng = np.random.default_rng(seed)
-    algo = config().algo
-    return [
-        credit_rollout_tree(random_rollout_tree(rng, f"t{i}", len(tok), **{**SMALL, **kw}), algo)
-        for i in range(n)
-    ]
-
-
-def on_policy(model, trees: list[RolloutTree]) -> list[RolloutTree]:
-    """The same trees with μ := the model's own log-probs (s ≡ 0 before any update)."""
-    out = []
-    for tree in trees:
-        p = pack_tree(tree)
-        with torch.no_grad():
-            lp = token_logprobs(model, p)[0].numpy()
-        new = {n.node_id: n.behavior_logprobs.copy() for n in tree.nodes}
-        for c in np.flatnonzero(p.turn_ids[0].numpy() >= 0):
-            new[int(p.turn_ids[0, c]) + 1][int(p.token_offset[0, c])] = lp[c]
-        nodes = [dataclasses.replace(n, behavior_logprobs=new[n.node_id]) for n in tree.nodes]
-        out.append(RolloutTree.build(tree.tree_id, nodes, credit=tree.credit))
-    return out
-
-
-def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def turn_s(model, tree: RolloutTree) -> tuple[np.ndarray, np.ndarray]:
@@ -153,7 +110,8 @@ def test_zero_variance_trees_are_dropped_only_when_asked(tok):
 def test_recompute_makes_the_first_minibatch_on_policy(tok):
     model = build_tiny_model(tok, seed=4)
     trees = make_trees(tok, seed=8)
-    stats = Learner(model, config(algo={"behavior_logprobs": "recompute"})).step(trees)
+    recompute = config(algo={"behavior_logprobs": "recompute"}, run={"mode": "sync"})  # μ = θ_old needs sync
+    stats = Learner(model, recompute).step(trees)
     assert stats["learner/mb0/mean_abs_s"] == 0.0  # μ recomputed at θ_old: s ≡ 0 before the first update
     assert stats["learner/mismatch_kl"] > 0.1 and stats["learner/mismatch_kl_k3"] > 0  # random stored μ
     model2 = build_tiny_model(tok, seed=4)

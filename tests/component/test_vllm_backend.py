@@ -274,3 +274,35 @@ def test_trees_from_the_vllm_backend(
         f"vLLM trees: mismatch KL (k1) {float(-delta.mean()):.2e}, max |Δ| {float(np.abs(delta).max()):.2e}"
     )
     assert np.abs(delta).max() < 1e-3
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 0), (0.6, 0.95, 20)])
+def test_learner_scores_vllm_trees_under_their_sampling_distribution(
+    vllm_backend: Any, tiny_model_dir: Path, report: Callable[[str], None], temperature, top_p, top_k
+) -> None:
+    """The vLLM twin of tests/component/test_sampling_consistency.py (float32 engine): the learner's
+    `learner/mismatch_kl` on vLLM-sampled trees at the same weights is below 1e-3 at three settings."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.sampler_setup import build_sampler
+    from configs.schema import load_config
+    from learner.learner import Learner
+    from system.credit import credit_rollout_tree
+    from system.policy import SamplingConfig
+
+    cfg = load_config(
+        overrides=[
+            f"sampler.temperature={temperature}", f"sampler.top_p={top_p}", f"sampler.top_k={top_k}",
+            "algo.M=2", "algo.N=1", "env.max_turns=3", "env.max_turn_tokens=12", "learner.minibatches=1",
+        ]
+    )  # fmt: skip
+    saved, vllm_backend.sampling = vllm_backend.sampling, SamplingConfig.of(cfg.sampler, seed=5)
+    try:
+        trees = build_sampler(cfg, str(tiny_model_dir), backend=vllm_backend).sample(4)
+    finally:
+        vllm_backend.sampling = saved
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32")
+    stats = Learner(model, cfg).step([credit_rollout_tree(t, cfg.algo) for t in trees])
+    k1, k3 = stats["learner/mismatch_kl"], stats["learner/mismatch_kl_k3"]
+    report(f"vLLM T={temperature} top-p={top_p} top-k={top_k}: learner mismatch k1 {k1:.2e}, k3 {k3:.2e}")
+    assert abs(k1) < 1e-3 and abs(k3) < 1e-3

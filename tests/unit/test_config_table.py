@@ -104,6 +104,20 @@ BAD = [
     ("learner.grad_clip=-1", rf"^learner\.grad_clip = -1\.0 is invalid: {NUM0} \(0 disables clipping\)"),
     ("learner.batch_trees=2.5", rf"^learner\.batch_trees = 2\.5 is invalid: {INT1}"),
     ("learner.lr=.nan", r"^learner\.lr = nan is invalid: expected a number > 0"),
+    (
+        "learner.precision=fp16",
+        r"^learner\.precision = 'fp16' is invalid: allowed values are 'float32', 'bfloat16'",
+    ),
+    ("learner.grad_checkpointing=2", r"^learner\.grad_checkpointing = 2 is invalid"),
+    (
+        "learner.max_tokens_per_microbatch=-1",
+        r"^learner\.max_tokens_per_microbatch = -1 is invalid: expected an",
+    ),
+    (
+        "learner.tree_attention=flex",
+        r"^learner\.tree_attention = 'flex' is invalid: expected 'auto' or 'chunked' without",
+    ),
+    ("sampler.top_k=-1", r"^sampler\.top_k = -1 is invalid: expected an integer >= 0"),
     # store
     ("store.eta=1.5", r"^store\.eta = 1\.5 is invalid: expected an integer >= 0"),
     ("store.dir=''", r"^store\.dir = '' is invalid: expected a non-empty string or null"),
@@ -233,7 +247,7 @@ def _checked(tp: Any, meta: list[Any]) -> bool:
     if get_origin(tp) is Literal or tp is bool:
         return tp is not bool or any(isinstance(m, Strict) and m.strict for m in meta)
     if any(isinstance(m, BOUNDS) or getattr(m, "pattern", None) for m in meta):
-        # strict too: 2.5 or "3" is no integer, 3 is no string, true is no number (configs/schema._number)
+        # strict too: 2.5 or "3" is no integer, 3 is no string, true is no number (messages.finite_number)
         if tp is float:
             return any(isinstance(m, BeforeValidator) for m in meta)
         return tp not in (int, str) or any(isinstance(m, Strict) and m.strict for m in meta)
@@ -290,6 +304,6 @@ def test_shipped_configs_load() -> None:
     if spec.get("base"):
         base = ROOT / spec["base"]
         common = _overrides(spec.get("common") or {})
-        assert load_config(base, common).env.eval_hops == (3, 4)
+        assert load_config(base, common).env.eval_hops == (4, 5)
         for row in spec["rows"]:
             load_config(base, [*common, *_overrides(row.get("set") or {})])

@@ -6,19 +6,9 @@ import math
 
 import pytest
 
-from launch.experiment import (
-    ExperimentSpecError,
-    check_claims,
-    load_spec,
-    mean_se,
-    parse_spec,
-    plan,
-    render_claims,
-    render_table,
-    resolved_config,
-    rows_summary,
-)
+from launch.experiment import ExperimentSpecError, load_spec, parse_spec, plan, resolved_config
 from launch.experiment_plot import smooth
+from launch.experiment_report import check_claims, mean_se, render_claims, render_table, rows_summary
 
 
 def _doc(**over):
@@ -41,22 +31,22 @@ def _doc(**over):
 
 def test_paper_table_spec_plans_every_row_and_matches_the_budget():
     spec = load_spec("configs/paper_table.yaml")
-    assert spec.seeds == (0, 1, 2) and len(spec.rows) == 15
-    assert [spec.model_seed(s) for s in spec.seeds] == [0, 0, 0]  # one warm-started model for every seed
+    assert spec.seeds == (0, 1, 2, 3, 4) and spec.ablation_seeds == (0, 1, 2) and len(spec.rows) == 8
+    assert [spec.model_seed(s) for s in spec.seeds] == [0] * 5  # one warm-started model for every seed
     runs = plan(spec)
     assert all(r.key.endswith(f"-s{r.seed}-w0") for r in runs)
-    # 15 rows, but "rho = 0.25" is the TreeOPSD (4,2) config: 14 distinct configs x 3 seeds = 42 runs.
-    assert len(runs) == 42
-    shared = [r for r in runs if len(r.rows) > 1]
-    assert len(shared) == 3 and all(set(r.rows) == {"TreeOPSD (4,2)", "rho = 0.25"} for r in shared)
+    # 5 main rows x 5 seeds (the ReAct row's 5 are evaluations only) + 3 ablations x 3 seeds = 34 runs.
+    assert len(runs) == 34 and sum(not r.train for r in runs) == 5
     costs = {row.name: resolved_config(spec, row, 0).algo.expected_cost for row in spec.rows if row.train}
-    # M(1 + N/2): (4,2) -> 8, (8,0) -> 8, (2,6) -> 2*4 = 8, (2,2) -> 4, (4,0) -> 4; G = 8 for GRPO/GSPO.
-    assert costs["GRPO (G=8)"] == costs["TreeOPSD (4,2)"] == costs["TreeOPSD (2,6)"] == 8.0
-    assert costs["TreeOPSD (2,2), half budget"] == costs["TreeOPSD (4,0), half budget"] == 4.0
-    listwise = next(r for r in spec.rows if r.name.startswith("listwise"))
-    assert resolved_config(spec, listwise, 0).algo.credit == "listwise"
+    # M(1 + N/2): (4,2) -> 8, (8,0) -> 8, (2,6) -> 2*4 = 8; G = 8 for GRPO/GSPO.
+    assert set(costs.values()) == {8.0}
+    cfg = resolved_config(spec, spec.rows[4], 0)
+    assert (cfg.env.train_hops, cfg.env.eval_hops, cfg.env.eval_per_hop) == ((4, 5), (4, 5), 400)
+    assert spec.eval_tasks == 800 and spec.samples == 4  # 400 questions per hop count, 4 samples each
+    depth = next(r for r in spec.rows if "depth" in r.name)
+    assert resolved_config(spec, depth, 0).algo.depth_correction
     quick = load_spec("configs/paper_table.yaml", quick=True)
-    assert (quick.steps, quick.eval_tasks, quick.quick) == (6, 40, True)
+    assert (quick.steps, quick.eval_tasks, quick.quick, len(plan(quick))) == (4, 40, True, 13)
 
 
 def test_plan_shares_runs_between_equal_configs_and_orders_by_seed():
@@ -119,30 +109,40 @@ def test_rows_summary_and_table():
     spec = parse_spec(_doc())
     runs = plan(spec)
 
-    def res(run, success, h3, h4):
+    def res(run, success, h3, h4, sampled=None, curve=()):
         per_hop = {"3": {"success": h3}, "4": {"success": h4}}
-        return {
-            "rows": list(run.rows),
-            "seed": run.seed,
-            "expected_cost": 8.0,
-            "eval": {"success": success, "per_hop": per_hop},
-        }
+        ev = {"success": success, "per_hop": per_hop}
+        if sampled is not None:
+            ev.update(sampled_success=sampled, pass_at_k=min(1.0, 2 * sampled))
+        return {"rows": list(run.rows), "seed": run.seed, "expected_cost": 8.0, "eval": ev,
+                "curves": {"reward/mean": list(curve)}}  # fmt: skip
 
+    # 20 steps: the rise compares the mean of the last 2 with the mean of the first 2 (a tenth each)
+    up = [0.1, 0.3] + [0.5] * 16 + [0.6, 0.8]  # (0.6 + 0.8)/2 − (0.1 + 0.3)/2 = 0.5
     results = {
         runs[0].key: res(runs[0], 0.4, 0.5, 0.3),
-        runs[2].key: res(runs[2], 0.5, 0.6, 0.4),
-        runs[5].key: res(runs[5], 0.7, 0.8, 0.6),  # TreeOPSD seed 1; GRPO has no finished run
-    }
+        runs[2].key: res(runs[2], 0.5, 0.6, 0.4, sampled=0.3, curve=up),
+        runs[5].key: res(runs[5], 0.7, 0.8, 0.6, sampled=0.4, curve=[0.2] * 20),  # TreeOPSD seed 1; rise 0
+    }  # GRPO has no finished run
     rows = {s["row"]: s for s in rows_summary(spec, results)}
     assert rows["TreeOPSD"]["seeds"] == [0, 1] and rows["rho = 0.25"]["seeds"] == [0, 1]
     # mean (0.5 + 0.7) / 2 = 0.6; sd = sqrt(2 * 0.1**2 / 1) = 0.141421; se = sd / sqrt(2) = 0.1
     assert rows["TreeOPSD"]["success"] == pytest.approx((0.6, 0.1))
     assert rows["ReAct"]["cost"] == 0.0 and rows["TreeOPSD"]["cost"] == 8.0
+    # sampled: (0.3 + 0.4)/2 = 0.35, se 0.05; pass@k: 0.6, 0.8 -> 0.7 ± 0.1; rise: (0.5 + 0)/2 = 0.25 ± 0.25
+    assert rows["TreeOPSD"]["sampled_success"] == pytest.approx((0.35, 0.05))
+    assert rows["TreeOPSD"]["reward_rise"] == pytest.approx((0.25, 0.25))
     table = render_table(spec, list(rows.values()))
     lines = table.splitlines()
-    assert lines[2] == "| main | ReAct | — | 1 | 0.400 | 0.500 | 0.300 |"
-    assert lines[3] == "| main | GRPO | — | 0 | — | — | — |"
-    assert lines[4] == "| main | TreeOPSD | 8 | 2 | 0.600 ± 0.100 | 0.700 ± 0.100 | 0.500 ± 0.100 |"
+    assert lines[0].startswith(
+        "| group | method | cost | seeds | greedy success | 3-hop | 4-hop | sampled pass@1"
+    )
+    assert lines[2] == "| main | ReAct | — | 1 | 0.400 | 0.500 | 0.300 | — | — | — |"
+    assert lines[3] == "| main | GRPO | — | 0 | — | — | — | — | — | — |"
+    assert lines[4] == (
+        "| main | TreeOPSD | 8 | 2 | 0.600 ± 0.100 | 0.700 ± 0.100 | 0.500 ± 0.100 | 0.350 ± 0.050 "
+        "| 0.700 ± 0.100 | +0.250 ± 0.250 |"
+    )
 
 
 def test_claims_use_paired_per_seed_differences():
@@ -158,8 +158,9 @@ def test_claims_use_paired_per_seed_differences():
                ("TreeOPSD", 0): 0.45, ("TreeOPSD", 1): 0.66, ("TreeOPSD", 2): 0.52}  # fmt: skip
     results = {}
     for run in plan(spec):
+        greedy = success[(run.rows[0], run.seed)]
         results[run.key] = {"rows": list(run.rows), "seed": run.seed,
-                            "eval": {"success": success[(run.rows[0], run.seed)]}}  # fmt: skip
+                            "eval": {"success": greedy, "sampled_success": greedy / 2}}  # fmt: skip
     got = check_claims(spec, results)
     # TreeOPSD - GRPO per seed: 0.05, 0.06, 0.07 -> mean 0.06, sd 0.01, se 0.01/sqrt(3) = 0.00577 < 0.06 / 2
     assert got[0]["diff"] == pytest.approx((0.06, 0.01 / math.sqrt(3))) and got[0]["verdict"] == "reproduced"
@@ -167,5 +168,8 @@ def test_claims_use_paired_per_seed_differences():
     # TreeOPSD - ReAct: -0.05, +0.16, +0.02 -> mean 0.0433, sd 0.1069, se 0.0617: within 2 se of 0
     assert got[2]["verdict"] == "within noise (same direction)" and got[2]["seeds"] == 3
     assert got[3]["verdict"] == "tie"  # the same runs
+    # sampled = greedy / 2 here: differences 0.025, 0.03, 0.035 -> +0.030 ± 0.003, still reproduced
+    assert got[0]["sampled_diff"] == pytest.approx((0.03, 0.005 / math.sqrt(3)))
+    assert got[0]["sampled_verdict"] == "reproduced"
     md = render_claims(got)
-    assert "| TreeOPSD > GRPO | 3 | +0.060 ± 0.006 | reproduced |" in md
+    assert "| TreeOPSD > GRPO | 3 | +0.060 ± 0.006 | reproduced | +0.030 ± 0.003 | reproduced |" in md

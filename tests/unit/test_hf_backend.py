@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from actors.policy.hf_backend import HFBackend, sampling_logprobs
+from actors.policy.hf_backend import HFBackend
 from actors.policy.tiny_model import build_tiny_model, build_tokenizer
 from system.policy import PolicyBackend, SampleRequest, SamplingConfig
+from system.sampling import sampling_logprobs
 
 TEXTS = ["The mentor of Tavo Mirel is Quinto Sar.", "search: Tavo Mirel mentor", "answer: Quinto"] * 30
 EOS = 2

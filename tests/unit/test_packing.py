@@ -2,12 +2,13 @@
 
 The reference is the path-by-path forward: one ordinary causal sequence per leaf through the model's own
 attention. Tree-packed log-probs must match it within 1e-5 (fp32) on random trees, with the dense 4D float
-mask (eager and sdpa) and with the block-sparse tree attention.
+mask (eager and sdpa), with the block-sparse tree attention and with FlexAttention (forward).
 """
 
 import numpy as np
 import pytest
 import torch
+from learner_fixtures import awkward_tree as random_tree
 
 from actors.policy.tiny_model import build_tiny_model, build_tokenizer
 from learner.forward import full_logits_logprobs, path_logprobs, token_logprobs, tree_plan
@@ -21,40 +22,6 @@ torch.set_num_threads(1)
 def model():
     tok = build_tokenizer(["the quick brown fox jumps over the lazy dog"] * 4, vocab_size=300)
     return build_tiny_model(tok, hidden=64, layers=2, heads=2, kv_heads=1, seed=0)
-
-
-def random_tree(rng: np.random.Generator, tree_id: str, vocab: int = 200, max_len: int = 9):
-    """Small init–expand-like tree with awkward cases: zero-length turns and observations, partial loss
-    masks, NaN behavior log-probs on loss tokens, several children at one anchor, an empty prompt (the first
-    token then has no context and is left out of the loss in both layouts)."""
-    b = TreeBuilder(tree_id, rng.integers(3, vocab, int(rng.integers(0, 6))))  # empty prompts too
-    made: list[int] = []
-
-    def turn(parent: int) -> int:
-        size = int(rng.integers(0, max_len))
-        lp = np.log(rng.uniform(0.05, 1, size)).astype(np.float32)
-        lp[rng.random(size) < 0.05] = np.nan
-        mask = rng.random(size) < 0.85
-        obs = rng.integers(3, vocab, int(rng.integers(0, 5)))
-        made.append(b.add_turn(parent, rng.integers(3, vocab, size), lp, obs, loss_mask=mask))
-        return made[-1]
-
-    frontier = [0]
-    for _ in range(int(rng.integers(1, 4))):  # trajectories
-        node, chain = 0, []
-        for _ in range(int(rng.integers(1, 4))):
-            node = turn(node)
-            chain.append(node)
-        frontier += chain
-    for _ in range(int(rng.integers(0, 4))):  # branches under random existing turns
-        node = turn(int(rng.choice(frontier[1:])))
-        if rng.random() < 0.5:
-            turn(node)
-    parents = {b.node(i).parent for i in made}
-    for i in made:
-        if i not in parents:
-            b.set_reward(i, float(rng.random() < 0.5))
-    return b.build()
 
 
 def three_node_tree():
@@ -143,7 +110,7 @@ def test_packed_logprobs_match_path_by_path(model, seed):
         want_sums = turn_logp_sums(ref_batch, ref)
         for concat in (False, True):
             packed = pack_trees(trees, concat=concat)
-            for attention in ("tree", "mask"):
+            for attention in ("tree", "mask", "flex"):  # flex: the eager CPU kernel, forward only
                 got_keys, got = canonical_logp(packed, token_logprobs(model, packed, attention))
                 assert torch.equal(got_keys, keys)
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

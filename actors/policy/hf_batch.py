@@ -1,0 +1,95 @@
+"""Lock-step decoding of many requests for the HF backend (CPU, small models): one forward per step for all
+rows, the prefill included, with each row's own KV cache reused and stored back per episode.
+
+Layout of the batch cache, per row i (P_i tokens reused from its parent's cache, S_i tokens to prefill):
+
+    [ pad (W − P_i) | its cache (P_i) | pad (S − S_i) | its suffix (S_i) | one token per decode step ... ]
+
+W = max P_i and S = max S_i. The 2D attention mask is 0 on the pads, so a row attends to its own tokens
+only; `position_ids` are each row's own positions (the cache's keys carry theirs already), so a row's logits
+are the ones it would get alone, up to float rounding of the batched matmuls. Afterwards each row's cache is
+cut back out of the batch (its three real spans, copied) and stored for its episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Lockstep:
+    cache: DynamicCache  # the batch cache
+    mask: torch.Tensor  # [rows, cache length] long, 1 on real tokens
+    positions: list[int]  # each row's next position (its real length so far)
+    spans: list[list[tuple[int, int]]]  # each row's real [start, stop) spans in the batch cache
+    width: int  # where the decode steps begin (W + S)
+
+
+def _left_pad(t: torch.Tensor | None, like: torch.Tensor, width: int) -> torch.Tensor:
+    """[1, heads, n, dim] → [1, heads, width, dim] with zeros in front (a row without a cache: all zeros)."""
+    if t is None:
+        return like.new_zeros((1, like.shape[1], width, like.shape[3]))
+    return torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))
+
+
+def _stack(caches: list[DynamicCache], width: int, config: object) -> DynamicCache:
+    if width == 0:
+        return DynamicCache(config=config)
+    layers = []
+    for parts in zip(*(list(c) for c in caches), strict=True):
+        like = next(k for k, *_ in parts if k is not None)
+        keys = torch.cat([_left_pad(k, like, width) for k, *_ in parts])
+        values = torch.cat([_left_pad(v, like, width) for _, v, *_ in parts])
+        layers.append((keys, values))
+    return DynamicCache(layers, config=config)
+
+
+def prefill(
+    model, caches: list[DynamicCache], suffixes: list[list[int]], device
+) -> tuple[Lockstep, torch.Tensor]:
+    """Stacks the rows' caches and feeds every row's suffix in one forward; returns the state and the
+    [rows, V] float32 logits of each row's last token."""
+    config = model.config
+    reused = [c.get_seq_length() for c in caches]
+    w, s = max(reused), max(len(x) for x in suffixes)
+    cache = _stack(caches, w, config)
+    ids = torch.zeros(len(caches), s, dtype=torch.long)
+    pos = torch.zeros(len(caches), s, dtype=torch.long)
+    mask = torch.zeros(len(caches), w + s, dtype=torch.long)
+    spans = []
+    for i, (p, suffix) in enumerate(zip(reused, suffixes, strict=True)):
+        n = len(suffix)
+        ids[i, s - n :] = torch.tensor(suffix)
+        pos[i, s - n :] = torch.arange(p, p + n)
+        mask[i, w - p : w] = 1
+        mask[i, w + s - n :] = 1
+        spans.append([(w - p, w), (w + s - n, w + s)])
+    out = _forward(model, ids, cache, mask, pos, device)
+    state = Lockstep(cache, mask, [p + len(x) for p, x in zip(reused, suffixes, strict=True)], spans, w + s)
+    return state, out.logits[:, -1].float().cpu()
+
+
+def step(model, state: Lockstep, feed: torch.Tensor, device) -> torch.Tensor:
+    """Feeds one token per row ([rows, 1]); returns the [rows, V] logits of the next token."""
+    state.mask = torch.cat([state.mask, torch.ones(len(state.positions), 1, dtype=torch.long)], dim=1)
+    pos = torch.tensor([[p] for p in state.positions], dtype=torch.long)
+    out = _forward(model, feed, state.cache, state.mask, pos, device)
+    state.positions = [p + 1 for p in state.positions]
+    return out.logits[:, -1].float().cpu()
+
+
+def row_cache(state: Lockstep, row: int, fed: int, config: object) -> DynamicCache:
+    """Row `row`'s cache (copied out of the batch): its real spans and its first `fed` decode steps."""
+    spans = [*state.spans[row], (state.width, state.width + fed)]
+    idx = torch.cat([torch.arange(a, b) for a, b in spans])
+    pick = [(k[row : row + 1], v[row : row + 1]) for k, v, *_ in state.cache]
+    layers = [(k.index_select(2, idx.to(k.device)), v.index_select(2, idx.to(k.device))) for k, v in pick]
+    return DynamicCache(layers, config=config)
+
+
+def _forward(model, ids, cache, mask, pos, device):  # type: ignore[no-untyped-def]
+    return model(input_ids=ids.to(device), past_key_values=cache, use_cache=True,
+                 attention_mask=mask.to(device), position_ids=pos.to(device), logits_to_keep=1)  # fmt: skip

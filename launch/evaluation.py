@@ -1,0 +1,183 @@
+"""Evaluation: a model's success on tasks through the sampler's own agent loop (what `treeopsd eval`, the
+trainer's --eval, the warm-start and the experiment grid report).
+
+    report = evaluate(cfg, model_path, tasks, env, samples=4)
+
+Greedy: one episode per task (temperature 0). With `samples` = K > 0, also K sampled episodes per task at
+temperature 1 (`sampled_success`: the mean reward over them, an estimate of pass@1; `pass_at_k`: the share
+of tasks with at least one success). Episodes run `batch` at a time through one backend call per turn, with
+the same tool parsing, limits and token-in/token-out bookkeeping as training rollouts. success = mean reward
+(0/1 exact match here); EM/F1 use the official answer normalization and count 0 for episodes that never
+answer; per hop count where the tasks have one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+
+class _FinalSteps:
+    """Environment proxy keeping each episode's final StepResult.info (answer, em, f1) — the loop drops it."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.info: dict[int, dict[str, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+    def step(self, task: Any, history: Any, action_text: str) -> Any:
+        result = self.env.step(task, history, action_text)
+        if result.done:
+            self.info[id(task)] = result.info  # tasks are copied per episode, so id() is unique
+        return result
+
+
+def evaluate(
+    cfg: Any,
+    model_path: str,
+    tasks: Sequence[Any],
+    env: Any,
+    backend: Any = None,
+    progress: bool = False,
+    batch: int = 32,
+    samples: int = 0,
+) -> dict[str, Any]:
+    """Greedy episodes on `tasks` (and `samples` sampled ones per task, module docstring); returns {n,
+    success, em, f1, answered, mean_turns, finish, datasets, per_hop (synthetic KB), seconds} plus, with
+    samples, {samples, sampled_success, pass_at_k, sampled: the same stats over the sampled episodes}.
+    `backend`: a greedy backend to reuse (closed by the caller); None builds one from cfg and closes it."""
+    from launch.model_setup import build_policy
+
+    t0 = time.perf_counter()
+    greedy = backend or build_policy(cfg, model_path, seed=cfg.run.seed, greedy=True)
+    try:
+        rows = _episodes(cfg, model_path, greedy, tasks, env, batch, progress, "greedy")
+    finally:
+        if backend is None:
+            greedy.close()
+    report = summarize(rows)
+    if samples > 0:
+        report.update(_sampled(cfg, model_path, tasks, env, batch, progress, samples))
+    return {**report, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _sampled(cfg, model_path, tasks, env, batch, progress, samples) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """K episodes per task at temperature 1 from a seeded sampling backend."""
+    from launch.model_setup import build_policy
+
+    at_t1 = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"temperature": 1.0, "top_p": 1.0,
+                                                                           "top_k": 0})})  # fmt: skip
+    backend = build_policy(at_t1, model_path, seed=cfg.run.seed + 1)
+    try:
+        repeated = [t for t in tasks for _ in range(samples)]
+        rows = _episodes(at_t1, model_path, backend, repeated, env, batch, progress, "sampled")
+    finally:
+        backend.close()
+    per_task = defaultdict(list)
+    for task, row in zip(repeated, rows, strict=True):
+        per_task[task.task_id].append(row["reward"])
+    stats = summarize(rows)
+    hit = sum(max(r) > 0 for r in per_task.values()) / max(len(per_task), 1)
+    return {
+        "samples": samples,
+        "sampled_success": stats["success"],
+        "pass_at_k": round(hit, 4),
+        "sampled": stats,
+    }
+
+
+def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """One episode per task through the agent loop, `batch` at a time; a row of results per episode."""
+    from tqdm.auto import tqdm
+
+    from actors.agent_loop import Episode, run_episodes
+    from actors.chat import ChatFormat
+    from actors.sampler_setup import loop_limits
+    from launch.model_setup import load_tokenizer
+    from system.tree_build import TreeBuilder
+
+    chat = ChatFormat.from_tokenizer(getattr(backend, "tokenizer", None) or load_tokenizer(model_path))
+    recorder, limits, rows = _FinalSteps(env), loop_limits(cfg), []
+    with tqdm(
+        total=len(tasks), desc=f"eval {label}", unit="task", disable=not progress, mininterval=1.0
+    ) as bar:
+        for start in range(0, len(tasks), max(1, batch)):
+            part = [replace(t) for t in tasks[start : start + max(1, batch)]]
+            episodes = []
+            for i, task in enumerate(part):
+                prompt = chat.initial_context(env.system_prompt(), env.user_prompt(task))
+                b = TreeBuilder(f"eval-{label}-{start + i}", prompt, prompt_id=task.task_id)
+                episodes.append(Episode(task, b, 0, b.context_tokens(0), [], 0, key=b.tree_id))
+            run_episodes(episodes, backend, recorder, chat, limits)
+            rows += [_row(e, recorder.info.get(id(e.task), {})) for e in episodes]
+            _evict(backend, episodes)
+            bar.update(len(part))
+    return rows
+
+
+def _row(e: Any, info: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "dataset": e.task.dataset,
+        "hops": e.task.meta.get("hops"),
+        "reward": float(e.reward or 0.0),
+        "em": float(info.get("em", 0.0)),
+        "f1": float(info.get("f1", 0.0)),
+        "finish": str(e.finish),
+        "turns": len(e.nodes),
+    }
+
+
+def _evict(backend: Any, episodes: Sequence[Any]) -> None:
+    """Frees the HF backend's per-episode KV caches (vLLM has no such caches)."""
+    if hasattr(backend, "evict"):
+        backend.evict(*(e.key for e in episodes))
+
+
+def _stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    n = len(rows)
+
+    def mean(key: str) -> float:
+        return round(sum(r[key] for r in rows) / n, 4) if n else 0.0
+
+    answered = sum(r["finish"] == "answer" for r in rows) / n if n else 0.0
+    return {
+        "n": n,
+        "success": mean("reward"),
+        "em": mean("em"),
+        "f1": mean("f1"),
+        "answered": round(answered, 4),
+        "mean_turns": mean("turns"),
+    }
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Overall stats, finish reasons, per dataset, and per hop count where tasks have one."""
+    by_set: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_hop: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_set[r["dataset"]].append(r)
+        if r["hops"] is not None:
+            by_hop[str(r["hops"])].append(r)
+    out = {**_stats(rows), "finish": dict(Counter(r["finish"] for r in rows))}
+    out["datasets"] = {name: _stats(group) for name, group in sorted(by_set.items())}
+    if by_hop:
+        out["per_hop"] = {hop: _stats(group) for hop, group in sorted(by_hop.items())}
+    return out
+
+
+# ---- which tasks ---------------------------------------------------------------------------------------
+def take(tasks: Sequence[Any], limit: int | None) -> list[Any]:
+    """At most `limit` tasks, round-robin over (dataset, hops) groups so a limit keeps every hop count."""
+    if limit is None or limit >= len(tasks):
+        return list(tasks)
+    groups: dict[tuple[str, Any], list[Any]] = defaultdict(list)
+    for t in tasks:
+        groups[(t.dataset, t.meta.get("hops"))].append(t)
+    lists = list(groups.values())
+    mixed = [g[i] for i in range(max(map(len, lists))) for g in lists if i < len(g)]
+    return mixed[: max(0, limit)]

@@ -1,0 +1,164 @@
+"""The experiment grid's statistics and tables (pure; no torch, no files): per-row summaries over seeds,
+the paper's orderings checked with per-seed paired differences, and their markdown.
+
+    summary = rows_summary(spec, results)          # results: run key -> result.json content
+    table, claims = render_table(spec, summary), check_claims(spec, results)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from launch.experiment import Spec
+
+METRICS = ("success", "sampled_success")  # greedy success; sampled pass@1 (temperature 1)
+
+
+def mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)); se is nan for a single value."""
+    n = len(xs)
+    if n == 0:
+        return math.nan, math.nan
+    m = sum(xs) / n
+    if n == 1:
+        return m, math.nan
+    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    return m, math.sqrt(var / n)
+
+
+def _reward_rise(curve: Sequence[float]) -> float:
+    """Mean training reward over the last tenth of the steps minus over the first tenth."""
+    k = max(1, len(curve) // 10)
+    head, tail = [x for x in curve[:k] if x == x], [x for x in curve[-k:] if x == x]
+    return sum(tail) / len(tail) - sum(head) / len(head) if head and tail else math.nan
+
+
+def eval_hops(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The hop counts the evaluations report (per_hop keys), in order."""
+    hops = {h for r in results.values() for h in r.get("eval", {}).get("per_hop", {})}
+    return sorted(hops, key=int)
+
+
+def rows_summary(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per row, mean ± se over the seeds whose runs finished: greedy success (overall and per hop count),
+    sampled success (pass@1) and pass@K, and the training-reward rise (last tenth − first tenth of steps)."""
+    out = []
+    for row in spec.rows:
+        got = [r for r in results.values() if row.name in r["rows"] and "eval" in r]
+        summary: dict[str, Any] = {
+            "row": row.name,
+            "group": row.group,
+            "seeds": sorted(r["seed"] for r in got),
+        }
+        summary["cost"] = got[0]["expected_cost"] if got and row.train else 0.0
+        summary["success"] = mean_se([r["eval"]["success"] for r in got])
+        summary["per_hop"] = {
+            h: mean_se([r["eval"].get("per_hop", {}).get(h, {}).get("success", math.nan) for r in got])
+            for h in eval_hops(results)
+        }
+        for key in ("sampled_success", "pass_at_k"):
+            summary[key] = mean_se([r["eval"][key] for r in got if key in r["eval"]])
+        rises = [
+            _reward_rise(r["curves"]["reward/mean"]) for r in got if r.get("curves", {}).get("reward/mean")
+        ]
+        summary["reward_rise"] = mean_se(rises)
+        summary["train_s"] = sum(r.get("train_s", 0.0) for r in got) / max(1, len(got))
+        out.append(summary)
+    return out
+
+
+def _fmt(ms: tuple[float, float], signed: bool = False) -> str:
+    m, se = ms
+    if math.isnan(m):
+        return "—"
+    head = f"{m:+.3f}" if signed else f"{m:.3f}"
+    return head if math.isnan(se) else f"{head} ± {se:.3f}"
+
+
+def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one line per row, grouped; mean ± standard error over seeds."""
+    hops = list(summary[0]["per_hop"]) if summary else []
+    head = ["group", "method", "cost", "seeds", "greedy success", *(f"{h}-hop" for h in hops)]
+    head += [f"sampled pass@1 (T=1, {spec.samples}/question)", f"pass@{spec.samples}", "train reward rise"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for s in summary:
+        cost = f"{s['cost']:g}" if s["cost"] else "—"
+        cells = [s["group"], s["row"], cost, str(len(s["seeds"])), _fmt(s["success"])]
+        cells += [_fmt(s["per_hop"][h]) for h in hops]
+        cells += [_fmt(s["sampled_success"]), _fmt(s["pass_at_k"]), _fmt(s["reward_rise"], signed=True)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(diffs: Sequence[float]) -> str:
+    """ "reproduced" (mean > 2 se above 0), "reversed" (mean > 2 se below 0), "tie" (all differences 0),
+    "within noise" otherwise (with the direction of the mean, if any)."""
+    m, se = mean_se(diffs)
+    if not diffs:
+        return "no data"
+    if all(abs(d) < 1e-12 for d in diffs):
+        return "tie"
+    if not math.isnan(se) and m > 2 * se:
+        return "reproduced"
+    if not math.isnan(se) and m < -2 * se:
+        return "reversed"
+    if abs(m) < 1e-9:  # differences that cancel: no direction to report
+        return "within noise (no mean difference)"
+    return f"within noise ({'same' if m > 0 else 'opposite'} direction)"
+
+
+def check_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each claim "better > worse" on held-out success, greedy and sampled, from per-seed paired differences
+    (the rows of one seed share prompts, sampling seed and start model): mean ± se and a `verdict`."""
+    by_row: dict[str, dict[str, dict[int, float]]] = {m: {} for m in METRICS}
+    for r in results.values():
+        for metric in METRICS:
+            if metric in r.get("eval", {}):
+                for name in r["rows"]:
+                    by_row[metric].setdefault(name, {})[r["seed"]] = float(r["eval"][metric])
+    out = []
+    for better, worse in spec.claims:
+        claim: dict[str, Any] = {"better": better, "worse": worse}
+        for metric in METRICS:
+            a, b = by_row[metric].get(better, {}), by_row[metric].get(worse, {})
+            diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+            key = "" if metric == "success" else "sampled_"
+            claim.update(
+                {f"{key}seeds": len(diffs), f"{key}diff": mean_se(diffs), f"{key}verdict": verdict(diffs)}
+            )
+        out.append(claim)
+    return out
+
+
+def render_claims(claims: Sequence[Mapping[str, Any]]) -> str:
+    lines = [
+        "| the paper's ordering | seeds | greedy success difference | here | sampled pass@1 difference "
+        "| here |",
+        "|---|---:|---:|---|---:|---|",
+    ]
+    for c in claims:
+        g, sd = _fmt(c["diff"], signed=True), _fmt(c["sampled_diff"], signed=True)
+        cells = [f"{c['better']} > {c['worse']}", str(c["seeds"]), g, c["verdict"], sd, c["sampled_verdict"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def best_per_group(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A tuning grid's choice: per group (a method), the row with the highest mean `spec.select` metric."""
+    best: dict[str, Mapping[str, Any]] = {}
+    for s in summary:
+        m = s[spec.select or "success"][0]
+        if not math.isnan(m) and (
+            s["group"] not in best or m > best[s["group"]][spec.select or "success"][0]
+        ):
+            best[s["group"]] = s
+    return [{"group": g, "row": s["row"], "metric": spec.select, "value": s[spec.select or "success"]}
+            for g, s in best.items()]  # fmt: skip
+
+
+def render_best(picks: Sequence[Mapping[str, Any]]) -> str:
+    lines = ["| method | chosen | by |", "|---|---|---:|"]
+    lines += [f"| {p['group']} | {p['row']} | {p['metric']} {_fmt(p['value'])} |" for p in picks]
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""The run's shared retrieval service: ONE Ray actor that serves the corpus to every sampler.
+
+`launch/ray_run.py:start_topology` calls `start_retrieval_service(cfg, data)` before it starts the samplers:
+when `env.retriever = service` and `env.retriever_url` is unset, the actor loads (or builds once) the index
+and serves it from a thread in its own process, and its URL (and token) go into `data["env"]`, the config
+dict every sampler is built from. `stop_topology` calls `stop_retrieval_service`.
+
+What it serves: `env.corpus`, or for `synthetic_kb` the generated KB's passages, written once to
+`run_dir/retrieval/corpus.jsonl` (rewritten only when they change, so a resumed run reuses its index). The
+index goes beside the corpus (`<corpus>.index/`), or under `run_dir/retrieval/` when that folder is not
+writable. Binding: loopback on a one-node Ray instance; on a cluster the actor's node address, with a token
+(`env.retriever_token`, `$TREEOPSD_RETRIEVER_TOKEN`, or a fresh random one handed to the samplers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.envs.retrieval_index import open_index
+from actors.envs.retrieval_server import RetrievalServer, resolve_token
+from configs.schema import Config, ConfigError
+from storage.durable import write_atomic
+
+log = logging.getLogger(__name__)
+
+
+class RetrievalActor:
+    def __init__(
+        self, corpus: str, kind: str, index_dir: str | None, encoder: str | None, host: str, token: str | None
+    ) -> None:
+        host = ray.util.get_node_ip_address() if host == "node" else host
+        self.server = RetrievalServer(None, host=host, port=0, token=token)
+        opened = open_index(corpus, kind, index_dir, encoder)
+        self.server.index = opened.index
+        self.server.start()
+        self.info = {"url": self.server.url, "passages": len(opened.index), "reused": opened.reused}
+        log.info("retrieval service: %s", self.info)
+
+    def url(self) -> str:
+        return self.server.url
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.info)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        """Closes the server: later searches are refused (the samplers' tool-error path)."""
+        self.server.stop()
+
+
+def service_corpus(cfg: Config) -> tuple[Path, Path | None]:
+    """(corpus file, index folder or None for the default beside it) that the run's service serves."""
+    e, own = cfg.env, Path(cfg.run.run_dir) / "retrieval"
+    if e.corpus is not None:
+        corpus = Path(e.corpus)
+        if not corpus.is_file():
+            raise ConfigError(
+                f"env.corpus = {e.corpus!r} is invalid: no such file (the retrieval service reads it)"
+            )
+        return corpus, None if os.access(corpus.parent, os.W_OK) else own / "index"
+    if e.name != "synthetic_kb":
+        raise ConfigError(f"env.corpus is unset: env.retriever = service for {e.name} needs a corpus file")
+    from actors.envs.synthetic_kb import KBConfig, generate_kb
+
+    passages = generate_kb(KBConfig(seed=e.seed)).passages()
+    rows = (json.dumps({"id": p.id, "contents": p.contents}, ensure_ascii=False) for p in passages)
+    data = "".join(r + "\n" for r in rows).encode()
+    corpus = own / "corpus.jsonl"
+    if not corpus.is_file() or corpus.read_bytes() != data:
+        own.mkdir(parents=True, exist_ok=True)
+        write_atomic(corpus, data)
+    return corpus, None
+
+
+def _bind(cfg: Config) -> tuple[str, str | None]:
+    """(host, token): loopback on one node; the actor's node address and a token on a cluster."""
+    token = resolve_token(cfg.env.retriever_token)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) <= 1:
+        return "127.0.0.1", token
+    return "node", token or secrets.token_urlsafe(24)
+
+
+def start_retrieval_service(cfg: Config, data: dict[str, Any]) -> Any | None:
+    """Starts the run's service when `env.retriever = service` has no URL; sets `data["env"]`'s
+    `retriever_url` (and `retriever_token`). Returns the actor handle, or None when none is needed."""
+    e = cfg.env
+    if e.retriever != "service" or e.retriever_url is not None:
+        return None
+    if e.index == "dense" and not Path(e.encoder or "").is_dir():
+        raise ConfigError(f"env.encoder = {e.encoder!r} is invalid: expected a local encoder folder")
+    corpus, index_dir = service_corpus(cfg)
+    host, token = _bind(cfg)
+    actor = (
+        ray.remote(RetrievalActor)
+        .options(num_cpus=0, max_restarts=0)
+        .remote(str(corpus), e.index, None if index_dir is None else str(index_dir), e.encoder, host, token)
+    )
+    try:
+        url = ray.get(actor.url.remote())
+    except ray.exceptions.RayError as exc:
+        ray.kill(actor, no_restart=True)
+        why = (str(exc).strip().splitlines() or ["?"])[-1]
+        raise ConfigError(f"the retrieval service over {corpus} did not start: {why}") from None
+    data["env"]["retriever_url"], data["env"]["retriever_token"] = url, token
+    return actor
+
+
+def stop_retrieval_service(actor: Any | None) -> None:
+    """Stops the run's service (best effort: it may already be gone) and frees the actor."""
+    if actor is None:
+        return
+    try:
+        ray.get(actor.stop.remote(), timeout=10)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        log.warning("the retrieval service did not stop cleanly: %s", exc)
+    ray.kill(actor, no_restart=True)

@@ -1,0 +1,188 @@
+"""One mini-batch's loss targets and normalizers, computed once from its whole trees, then read by each of its
+token-budget micro-batches (docs/design.md §11; pure torch/numpy).
+
+    targets = minibatch_targets(method, trees, leaf_adv, weights)   # Z and per-node tables
+    for micro in plan_microbatches(trees, budget, packed=True):
+        packed = pack_microbatch(trees, micro, packed=True, full=...)
+        loss, st = microbatch_loss(cfg.algo, packed, logp, targets)  # Σ over micro-batches = one-shot loss
+        loss.backward()                                              # gradients accumulate
+
+The accumulated gradient equals the one-shot gradient because every denominator is global to the mini-batch
+and known before any forward (system/microbatch.py counts the loss tokens without the model):
+
+    treeopsd  Z = Σ_i w_i ℓ_i over every turn of the mini-batch (w ≡ 1 without the depth correction)
+    grpo      Z = Σ_leaves (loss tokens on the root-to-leaf path)       token mean over every path copy
+    treepo    the same Z; the whitening of Â uses every path token of the whole rollout batch
+    gspo      Z = number of leaves whose path has a loss token           sequence mean
+
+and the per-tree quantities (GRPO's group = the tree, TreePO's Â, the depth weights) are looked up per
+(tree, node) rather than recomputed from what a micro-batch happens to hold. The sharded learner sums Z
+over ranks the same way. A loss token whose *model* log-prob is non-finite is dropped from the sum but
+still counted in Z (the one-shot loss counts it in ℓ_i; such batches are refused upstream, §10).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from configs.schema import AlgoConfig
+from learner.baselines import grpo_advantages, grpo_loss, gspo_loss, treepo_advantages, treepo_loss
+from learner.losses import treeopsd_loss
+from learner.packing import PackedBatch, pack_paths, pack_pieces
+from system.microbatch import (
+    Piece,
+    first_fit_decreasing,
+    loss_token_counts,
+    node_tokens,
+    path_token_counts,
+    split_tree,
+)
+from system.tree import RolloutTree
+
+
+@dataclass(frozen=True)
+class MinibatchTargets:
+    """Per-node tables of one mini-batch (tree k's node j at `offsets[k] + j`) and its normalizer Z."""
+
+    offsets: torch.Tensor  # [n_trees] long
+    leaf_adv: torch.Tensor | None  # [Σ nodes] float64: GRPO/GSPO/TreePO advantage at leaves, 0 elsewhere
+    turn_w: torch.Tensor | None  # [Σ nodes] float64 depth weights, or None (w ≡ 1)
+    z: float
+
+    def at_leaves(self, packed: PackedBatch) -> torch.Tensor:
+        assert self.leaf_adv is not None
+        return self.leaf_adv[self.offsets[packed.leaf_tree] + packed.leaf_node]
+
+    def at_turns(self, packed: PackedBatch) -> torch.Tensor | None:
+        if self.turn_w is None:
+            return None
+        return self.turn_w[self.offsets[packed.turn_tree] + packed.turn_node]
+
+
+def leaf_advantages(method: str, trees: Sequence[RolloutTree]) -> list[np.ndarray] | None:
+    """Per tree, its leaves' advantages (ascending leaf id): GRPO/GSPO the standardized reward with the tree
+    as the group; TreePO the raw Â (whitened over the rollout batch by `whiten_by_counts`); None: TreeOPSD."""
+    if method == "treeopsd":
+        return None
+    if method == "treepo":
+        return [treepo_advantages(t.turn_parents(), t.leaf_rewards())[1] for t in trees]
+    out = []
+    for t in trees:
+        r = torch.from_numpy(np.asarray(t.leaf_rewards(), dtype=np.float64))
+        out.append(grpo_advantages(r, torch.zeros(len(r), dtype=torch.long)).numpy())
+    return out
+
+
+def path_counts(trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+    """Per tree, the loss tokens of each root-to-leaf path (what a path loss trains)."""
+    return [np.asarray(path_token_counts(t, loss_token_counts(t)), dtype=np.float64) for t in trees]
+
+
+def whiten_by_counts(values: Sequence[np.ndarray], counts: Sequence[np.ndarray], eps: float = 1e-8):
+    """`masked_whiten` over tokens when value v_l repeats on c_l tokens: mean = Σ c v / N, the unbiased
+    var = Σ c (v − mean)² / (N − 1) (N − 1 clamped to ≥ 1), (v − mean) / sqrt(var + eps)."""
+    v, c = np.concatenate([np.zeros(0), *values]), np.concatenate([np.zeros(0), *counts])
+    n = c.sum()
+    mean = (c * v).sum() / max(n, 1.0)
+    var = (c * (v - mean) ** 2).sum() / max(n - 1.0, 1.0)
+    white = (v - mean) / np.sqrt(var + eps)
+    return np.split(white, np.cumsum([len(x) for x in values])[:-1])
+
+
+def minibatch_targets(
+    method: str,
+    trees: Sequence[RolloutTree],
+    leaf_adv: Sequence[np.ndarray] | None,
+    turn_weights: Sequence[np.ndarray] | None,
+) -> MinibatchTargets:
+    """Tables and Z (module docstring) of one mini-batch; `leaf_adv`/`turn_weights` per tree, per leaf
+    (ascending) and per node (index 0 = the root, unused)."""
+    sizes = [len(t.nodes) for t in trees]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    adv = None
+    if leaf_adv is not None:
+        adv = np.zeros(sum(sizes))
+        for off, t, a in zip(offsets, trees, leaf_adv, strict=True):
+            adv[off + t.leaves] = a
+    w = None if turn_weights is None else np.concatenate([np.asarray(x, np.float64) for x in turn_weights])
+    return MinibatchTargets(
+        offsets=torch.from_numpy(offsets),
+        leaf_adv=None if adv is None else torch.from_numpy(adv),
+        turn_w=None if w is None else torch.from_numpy(w),
+        z=_normalizer(method, trees, turn_weights),
+    )
+
+
+def _normalizer(method: str, trees: Sequence[RolloutTree], turn_weights) -> float:  # type: ignore[no-untyped-def]
+    if method == "treeopsd":
+        total = 0.0
+        for k, t in enumerate(trees):
+            ell = np.asarray(loss_token_counts(t), np.float64)
+            total += float((ell * (1.0 if turn_weights is None else turn_weights[k])).sum())
+        return total
+    paths = path_counts(trees)
+    if method == "gspo":
+        return float(sum(int((p > 0).sum()) for p in paths))
+    return float(sum(p.sum() for p in paths))
+
+
+# ---- micro-batches -------------------------------------------------------------------------------------
+def plan_microbatches(trees: Sequence[RolloutTree], budget: int, packed: bool) -> list[list[Piece]]:
+    """Micro-batches of one mini-batch under `budget` tokens (≤ 0: one). Tree-packed: pieces from
+    `split_tree` (a tree over budget becomes subtrees with their ancestors as context), first-fit-decreasing.
+    Path layout: whole trees sized by their path tokens (each shared prefix repeats on every path anyway)."""
+    if packed:
+        pieces = [p for k, t in enumerate(trees) for p in split_tree(k, t, budget)]
+        return first_fit_decreasing(pieces, budget)
+    whole = []
+    for k, t in enumerate(trees):
+        piece = split_tree(k, t, 0)[0]
+        sizes = node_tokens(t)
+        path_tokens = sum(sum(sizes[j] for j in [0, *t.path(int(f))]) for f in t.leaves)
+        whole.append(replace(piece, tokens=path_tokens))
+    return first_fit_decreasing(whole, budget)
+
+
+def pack_microbatch(
+    trees: Sequence[RolloutTree], micro: Sequence[Piece], packed: bool, full: bool, concat: bool
+) -> PackedBatch:
+    """The model inputs of one micro-batch; tree and leaf indices refer to the whole mini-batch `trees`."""
+    if packed:
+        return pack_pieces(trees, micro, concat=concat)
+    return pack_paths(trees, full=full, concat=concat, only=sorted({p.tree for p in micro}))
+
+
+def microbatch_loss(
+    algo: AlgoConfig, packed: PackedBatch, logp: torch.Tensor, targets: MinibatchTargets
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the mini-batch loss (the shares sum to the one-shot loss)."""
+    logp = logp.float()
+    if algo.method == "treeopsd":
+        on = packed.owned & (packed.turn_ids >= 0)
+        turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
+        weights = targets.at_turns(packed)
+        loss, _ = treeopsd_loss(
+            logp.flatten(), packed.behavior_logp.flatten(), turn_ids, packed.q,
+            z_total=targets.z, turn_weights=weights,
+        )  # fmt: skip
+        return loss, {}
+    lp = logp.flatten()[packed.pair_index]
+    old = packed.behavior_logp.flatten()[packed.pair_index]
+    mask = packed.effective_mask.flatten()[packed.pair_index]
+    adv = targets.at_leaves(packed).to(lp.device)
+    clip_c = algo.dual_clip_c if algo.dual_clip else None
+    if algo.method == "grpo":
+        loss, st = grpo_loss(lp, old, adv[packed.pair_seq], mask, *algo.grpo_clip, z_total=targets.z,
+                             clip_c=clip_c)  # fmt: skip
+    elif algo.method == "gspo":
+        seq = torch.where(mask, packed.pair_seq, -1)
+        loss, st = gspo_loss(lp, old, adv, seq, *algo.gspo_clip, z_total=targets.z)
+    else:
+        loss, st = treepo_loss(lp, old, adv[packed.pair_seq], mask, *algo.treepo_clip, z_total=targets.z,
+                               clip_c=clip_c)  # fmt: skip
+    out = {k: st[k] for k in ("clip_frac", "dual_clip_frac") if k in st}
+    return loss, {**out, "clip_n": st.get("num_seqs", st.get("num_tokens", 0.0))}
