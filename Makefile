@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test test-fast gpu-check lint format demo bench paper-tune paper-table paper-table-quick clean
+.PHONY: venv test test-fast gpu-check lint format demo bench paper-tune paper-table paper-table-quick readme clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,10 @@ paper-table: $(STAMP)
 
 paper-table-quick: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/paper_table.yaml --quick
+
+# README.md's results blocks from benchmarks/results/*.md (a test fails when they drift apart).
+readme: $(STAMP)
+	$(PY) -m launch.readme_results
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -3,7 +3,8 @@ backend in one `sample` call, then each turn is parsed and executed by its envir
 
 Per turn (token-in/token-out): the backend returns the sampled ids and their log-probs; the ids are stored
 as the turn's tokens (loss mask 1, the stop token included), decoded only for the environment's parser; the
-observation text is rendered to ids by `ChatFormat` (loss mask 0) and appended to the context. Episodes end
+observation text is rendered to ids by `chat` (`ChatFormat`, or the `env.protocol` in use: actors/protocols,
+which also parses the turn through the env it wraps) (loss mask 0) and appended to the context. Episodes end
 on an answer, an unparseable turn, `max_turns` (counted from the episode start, so a branch from anchor k
 has `max_turns − k` left), or the token budget (the cut turn is terminal and keeps its tokens, §10).
 """
@@ -19,7 +20,7 @@ from actors.chat import ChatFormat
 from actors.envs.base import Environment, StepResult, Task
 from actors.envs.tool_calls import ToolCall
 from system.interfaces import WeightSink
-from system.policy import PolicyBackend, SampleRequest
+from system.policy import PolicyBackend, SampleRequest, mix_seed
 from system.tree_build import TreeBuilder
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Episode:
     calls: list[ToolCall | None]  # one entry per turn so far (None: the turn made no valid call)
     turns_done: int  # turns from the episode start, including a branch's shared prefix
     key: str  # backend cache key of this episode's KV (one per episode)
+    seed: int | None = None  # turn t draws with mix_seed(seed, t) (None: the backend's own stream)
     parent_key: str | None = None  # cache to start from: None = prefill, a trunk's key for a branch
     nodes: list[int] = field(default_factory=list)  # node ids this episode created, in order
     done: bool = False
@@ -84,20 +86,9 @@ def run_episodes(
         apply_new_weights(backend, weights, stats)
         requests, stepping = [], []
         for e in live:
-            room = limits.token_budget - len(e.context)
-            if room <= 0:
-                _end(e, "token_budget", 0.0)
-                continue
-            requests.append(
-                SampleRequest(
-                    context=e.context,
-                    max_new_tokens=min(limits.max_turn_tokens, room),
-                    stop_token_ids=chat.stop_token_ids,
-                    cache_key=e.key,  # the backend extends an episode's cache in place turn by turn
-                    parent_key=e.parent_key,
-                )
-            )
-            stepping.append(e)
+            if (req := turn_request(e, chat, limits)) is not None:
+                requests.append(req)
+                stepping.append(e)
         results = backend.sample(requests) if requests else []
         version = int(getattr(backend, "version", 0))
         for e, res in zip(stepping, results, strict=True):
@@ -105,14 +96,50 @@ def run_episodes(
         live = [e for e in live if not e.done]
 
 
+def turn_request(e: Episode, chat: ChatFormat, limits: LoopLimits) -> SampleRequest | None:
+    """The episode's next turn as a request (both loops: this one and actors/async_loop.py), or None after
+    ending the episode when its context has filled the token budget."""
+    room = limits.token_budget - len(e.context)
+    if room <= 0:
+        _end(e, "token_budget", 0.0)
+        return None
+    return SampleRequest(
+        context=e.context,
+        max_new_tokens=min(limits.max_turn_tokens, room),
+        stop_token_ids=chat.stop_token_ids,
+        stop_strings=chat.stop_strings,  # the protocol's text stops (`</search>`), if any
+        cache_key=e.key,  # the backend extends an episode's cache in place turn by turn
+        parent_key=e.parent_key,
+        # the turn's own draws, whichever loop runs it and whatever runs beside it
+        seed=None if e.seed is None else mix_seed(e.seed, e.turns_done),
+    )
+
+
 def _apply_turn(e, tokens, logprobs, finish_reason, version, env, chat, limits) -> None:
+    truncated = record_turn(e, tokens, logprobs, finish_reason, version, limits)
+    finish_turn(e, step_turn(env, e, chat, tokens), truncated, tokens, chat, limits)
+
+
+def record_turn(e: Episode, tokens, logprobs, finish_reason: str, version: int, limits: LoopLimits) -> bool:
+    """The sampled turn into the tree under the episode's parent; True when it was cut (not stopped)."""
     truncated = finish_reason != "stop"
     mask = [not (truncated and limits.mask_truncated_turn)] * len(tokens)
     node = e.builder.add_turn(e.parent, tokens, logprobs, loss_mask=mask, policy_version=version)
     e.nodes.append(node)
     e.parent, e.turns_done = node, e.turns_done + 1
     e.parent_key = e.key
-    result = _safe_step(env, e, chat.decode_turn(tokens))
+    return truncated
+
+
+def step_turn(env: Environment, e: Episode, chat: ChatFormat, tokens) -> StepResult | None:
+    """The environment's answer to the turn (the tool call runs here; None: the environment raised).
+    Touches neither the tree nor the episode, so the async loop runs it in a worker thread."""
+    return _safe_step(env, e, chat.decode_turn(tokens))
+
+
+def finish_turn(e: Episode, result: StepResult | None, truncated: bool, tokens, chat, limits) -> None:
+    """Ends the episode or appends the observation after the turn recorded last (`record_turn`)."""
+    node = e.nodes[-1]
     if result is None:
         _end(e, "verifier_error", 0.0, failed=True)
     elif result.done:
@@ -123,7 +150,7 @@ def _apply_turn(e, tokens, logprobs, finish_reason, version, env, chat, limits) 
         _end(e, "max_turns", 0.0)
     else:
         e.calls.append(result.call)
-        obs = chat.observation_tokens(result.observation or "")
+        obs = chat.observation_tokens(result.observation or "", tokens)  # after this turn's own ids
         e.builder.set_observation(node, obs)
         e.context = [*e.context, *tokens, *obs]
 

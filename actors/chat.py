@@ -29,6 +29,7 @@ class ChatFormat:
     obs_before: str
     obs_after: str
     stop_token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...] = ()  # ChatML turns stop at the eos token only
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, tool_role: str = "tool") -> ChatFormat:
@@ -57,7 +58,8 @@ class ChatFormat:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
-    def observation_tokens(self, observation: str) -> list[int]:
+    def observation_tokens(self, observation: str, turn: Sequence[int] | None = None) -> list[int]:
+        """Ids after a turn that ended with the eos token (`turn`, the sampled ids, is not needed here)."""
         return list(
             self.tokenizer.encode(self.obs_before + observation + self.obs_after, add_special_tokens=False)
         )

@@ -30,7 +30,8 @@ class SamplerActor(TreeSampler, FaultAwareApply):
         self.config = SimpleNamespace(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=0)
         self.cfg: Config = parse_config(cfg)
         incarnation = int(uuid.uuid4().int % 1_000_000)
-        self.sub = WeightSubscriber(endpoint, key) if endpoint else None
+        timeout = self.cfg.weights.fetch_timeout_s  # a version whose chunks stall this long is given up
+        self.sub = WeightSubscriber(endpoint, key, fetch_timeout_s=timeout) if endpoint else None
         parts = sampler_parts(self.cfg, model_path, index, incarnation)
         parts["prefix"] = f"s{index}-{uuid.uuid4().hex[:8]}"
         super().__init__(**parts, store=RemoteStore(store), weights=self.sub)

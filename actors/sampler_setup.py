@@ -7,17 +7,22 @@ the sampler role itself (`build_sampler`). Construction only; the role's work is
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
 from actors.agent_loop import LoopLimits
-from actors.chat import ChatFormat
 from actors.envs.base import Environment, Task
+from actors.failures import explain
+from actors.protocols import bind_protocol
 from actors.tree_sampler import TreeSampler, TreeShape
 from configs.schema import Config
+from storage.role_log import role_log_path
 from system.interfaces import StoreClient, WeightSink
 from system.policy import PolicyBackend, SamplingConfig
+
+logger = logging.getLogger(__name__)
 
 
 def build_env(cfg: Config) -> Environment:
@@ -68,7 +73,15 @@ def build_backend(
     if cfg.sampler.backend == "vllm":
         from actors.policy.vllm_backend import VLLMBackend
 
-        return VLLMBackend(model_path, sampling=sampling, dtype=cfg.model.dtype, seed=seed)
+        # dtype: sampler.engine's if set, else bf16 on a GPU and model.dtype on the CPU (vllm_engine.py)
+        return VLLMBackend(
+            model_path,
+            sampling=sampling,
+            seed=seed,
+            cpu_dtype=cfg.model.dtype,
+            extra_engine_args=cfg.sampler.engine,
+            apply_timeout_s=cfg.weights.apply_timeout_s,
+        )
     from actors.policy.hf_backend import HFBackend
 
     return HFBackend(model_path, threads=cfg.model.threads, sampling=sampling)
@@ -101,21 +114,35 @@ def sampler_seed(cfg: Config, index: int, incarnation: int = 0) -> int:
 def sampler_parts(
     cfg: Config, model_path: str, index: int = 0, incarnation: int = 0, backend: PolicyBackend | None = None
 ) -> dict[str, Any]:
-    """`TreeSampler`'s constructor arguments from the config: backend (unless given), environment, training
-    split, chat format, limits, its own RNG stream and tree-id prefix."""
+    """`TreeSampler`'s constructor arguments from the config: backend (unless given), environment (under
+    the agent protocol), training split, protocol (`chat`), limits, loop, its own RNG stream and tree-id
+    prefix. A failure is raised as a SamplerFailure naming its root cause, the config key to blame (a chat
+    template, a corpus, a model path) and the role's log file (actors/failures.py)."""
     seed = sampler_seed(cfg, index, incarnation)
-    backend = backend or build_backend(cfg, model_path, seed=seed)
-    env = build_env(cfg)
-    tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
+    own_backend = backend is None
+    try:
+        backend = backend or build_backend(cfg, model_path, seed=seed)
+        tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
+        chat, env = bind_protocol(cfg.env, tokenizer, build_env(cfg))  # env.protocol: how calls are written
+        tasks = load_split(cfg, "train", env)
+    except Exception as exc:
+        if own_backend and backend is not None:
+            backend.close()  # vLLM: its engine core and workers go too
+        log = role_log_path(cfg.run.run_dir, "sampler", index)
+        failure = explain(exc, cfg, model_path, str(log) if log.exists() else None)
+        logger.exception("sampler %d cannot start: %s", index, failure)  # the traceback, in the role's log
+        raise failure from exc
     return {
         "backend": backend,
         "env": env,
-        "chat": ChatFormat.from_tokenizer(tokenizer),
+        "chat": chat,
         "shape": tree_shape(cfg),
         "limits": loop_limits(cfg),
-        "tasks": load_split(cfg, "train", env),
+        "tasks": tasks,
         "rng": np.random.default_rng(seed),
         "prefix": f"s{index}i{incarnation}",
+        "loop": cfg.sampler.loop,  # async: episodes advance on their own (actors/async_loop.py)
+        "max_inflight": cfg.sampler.max_inflight_episodes,
     }
 
 

@@ -7,29 +7,41 @@ few methods (`actors/sampler_actor.py`).
     sampler.sample_and_commit(4)                     # admission → 4 trees → store.put_raw
     trees = sampler.sample_trees(tasks, rng)         # the trees alone: one per task, K = M + branches
 
-Phase 1 samples the M initial trajectories of every prompt together (one backend call per turn for all of
-them); phase 2 picks N anchors per trajectory over its non-terminal boundaries and samples every branch
-together. A branch starts from its anchor's exact stored context (`TreeBuilder.context_tokens`: prompt,
-turns and observations, token ids as sampled) and the calls made so far: the tools are pure, so replaying
-the calls restores the environment; nothing is re-executed or re-tokenized. Flat methods (GRPO/GSPO) are
-the special case M = G, N = 0. New weights are applied between turns (`agent_loop.apply_new_weights`).
+Per tree: phase 1 samples its M initial trajectories, phase 2 picks N anchors per trajectory over its
+non-terminal boundaries and samples every branch. A branch starts from its anchor's exact stored context
+(`TreeBuilder.context_tokens`: prompt, turns and observations, token ids as sampled) and the calls made so
+far: the tools are pure, so replaying the calls restores the environment; nothing is re-executed or
+re-tokenized. Flat methods (GRPO/GSPO) are the special case M = G, N = 0.
+
+Two loops run the same episodes (`loop`, `sampler.loop`): "async" (actors/async_loop.py) runs every
+episode and branch as its own coroutine, up to `max_inflight` at once, and a tree's branches start as soon
+as its own trajectories are done; "lockstep" (actors/agent_loop.py) steps all trajectories of all trees
+together, one backend call per round of turns, then all branches. Each tree draws its anchors from its own
+generator and each turn from its own seed (both derived from `rng` in task order), so both loops give the
+same trees (HF backend: the same ids; log-probs up to batched float rounding). New weights are applied
+between turns (actors/weight_gate.py; lockstep: `agent_loop.apply_new_weights`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from actors.agent_loop import Episode, LoopLimits, apply_new_weights, run_episodes
+from actors.async_loop import EpisodeRunner, gather_or_cancel
 from actors.chat import ChatFormat
 from actors.envs.base import Environment, Task
+from actors.turn_server import BatchedTurns, as_turn_server
+from actors.weight_gate import WeightGate, WeightPoller
 from system.interfaces import StoreClient, WeightSink
-from system.policy import PolicyBackend
+from system.policy import PolicyBackend, TurnServer
 from system.tree import RolloutTree
 from system.tree_build import TreeBuilder, plan_anchors
 
@@ -39,6 +51,21 @@ class TreeShape:
     M: int = 4
     N: int = 2
     anchor_shortfall: str = "skip"
+
+
+@dataclass
+class _Tree:
+    """One tree being sampled: its builder, its own generator (anchors, episode seeds), its episodes."""
+
+    task: Task
+    builder: TreeBuilder
+    rng: np.random.Generator
+    trunks: list[Episode]
+    branches: list[Episode] = field(default_factory=list)
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [*self.trunks, *self.branches]
 
 
 class TreeSampler:
@@ -55,9 +82,18 @@ class TreeSampler:
         tasks: Sequence[Task] = (),
         rng: np.random.Generator | None = None,
         prefix: str = "s0",
+        loop: str = "async",
+        max_inflight: int = 64,
     ) -> None:
+        if loop not in ("async", "lockstep"):
+            raise ValueError(f"loop must be 'async' or 'lockstep', got {loop!r}")
         self.backend, self.env, self.chat = backend, env, chat
         self.shape, self.limits, self.weights, self.store = shape, limits, weights, store
+        self.loop, self.max_inflight = loop, max_inflight
+        # every poll of the sink goes through one thread (the async loop polls while episodes run)
+        self.poller = WeightPoller(weights) if weights is not None else None
+        self._server: TurnServer | None = None
+        self._tools: ThreadPoolExecutor | None = None
         self.tasks, self.rng = list(tasks), rng or np.random.default_rng(0)
         self.prefix, self.counter, self.dropped_trees = prefix, 0, 0
         self.started = time.perf_counter()
@@ -93,9 +129,9 @@ class TreeSampler:
 
     def _wait_for_version(self, min_version: int, wait_s: float) -> None:
         t0 = time.perf_counter()
-        apply_new_weights(self.backend, self.weights, self.stats)  # an idle sampler catches up here too
+        apply_new_weights(self.backend, self.poller, self.stats)  # an idle sampler catches up here too
         while self.version() < min_version and time.perf_counter() - t0 < wait_s:
-            if self.weights is not None and (got := self.weights.poll(100)) is not None:
+            if self.poller is not None and (got := self.poller.poll(100)) is not None:
                 self.backend.load_weights(got[1], version=got[0])
         self.stats["sampler/wait_for_weights_s"] += time.perf_counter() - t0
 
@@ -133,58 +169,115 @@ class TreeSampler:
             if tree_ids is not None
             else [f"{t.task_id}-{rng.integers(1 << 62):x}" for t in tasks]
         )
-        builders = [self._builder(t, i) for t, i in zip(tasks, ids, strict=True)]
-        trunks = [
-            [self._episode(t, b, f"{b.tree_id}/m{m}") for m in range(self.shape.M)]
-            for t, b in zip(tasks, builders, strict=True)
-        ]
-        self._run([e for group in trunks for e in group])
-        branches = []
-        for task, b, group in zip(tasks, builders, trunks, strict=True):
-            counts = [len(e.nodes) for e in group]
-            for j, (m, k) in enumerate(plan_anchors(counts, self.shape.N, rng, self.shape.anchor_shortfall)):
-                branches.append(self._branch(task, b, group[m], k, j))
-        self._run(branches)
-        if hasattr(self.backend, "evict"):  # free the per-episode KV caches (HF backend)
-            self.backend.evict(*(e.key for group in trunks for e in group), *(e.key for e in branches))
-        for task, group in zip(tasks, trunks, strict=True):
-            if not any(e.nodes for e in group):
-                raise ValueError(f"task {task.task_id}: the prompt alone exceeds the token budget")
-        trees = [self._finish(b, group, branches) for b, group in zip(builders, trunks, strict=True)]
+        seeds = rng.integers(1 << 62, size=len(tasks))  # one generator per tree: any loop order, same tree
+        plans = [self._plan(t, i, int(s)) for t, i, s in zip(tasks, ids, seeds, strict=True)]
+        if self.loop == "async":
+            run = getattr(self.backend, "run_async", None) or asyncio.run  # vLLM: on the engine's loop
+            run(_grow_all(self._episode_runner(), plans, self._expand))
+        else:
+            self._lockstep(plans)
+        trees = [self._finish(p) for p in plans]
         return [t for t in trees if t is not None]
 
-    def _finish(self, b: TreeBuilder, group: list[Episode], branches: list[Episode]) -> RolloutTree | None:
-        eps = [*group, *(e for e in branches if e.builder is b)]
-        if any(e.verifier_failed for e in eps) and self.limits.on_verifier_error == "drop_tree":
+    def _plan(self, task: Task, tree_id: str, seed: int) -> _Tree:
+        b = self._builder(task, tree_id)
+        rng = np.random.default_rng(seed)
+        trunks = [self._episode(task, b, f"{b.tree_id}/m{m}", rng) for m in range(self.shape.M)]
+        return _Tree(task, b, rng, trunks)
+
+    def _expand(self, p: _Tree) -> list[Episode]:
+        """Phase 2 of one tree, once its trajectories are done: the branches from its planned anchors."""
+        if not any(e.nodes for e in p.trunks):
+            raise ValueError(f"task {p.task.task_id}: the prompt alone exceeds the token budget")
+        counts = [len(e.nodes) for e in p.trunks]
+        anchors = plan_anchors(counts, self.shape.N, p.rng, self.shape.anchor_shortfall)
+        return [self._branch(p, p.trunks[m], k, j) for j, (m, k) in enumerate(anchors)]
+
+    def _lockstep(self, plans: list[_Tree]) -> None:
+        self._run([e for p in plans for e in p.trunks])
+        for p in plans:
+            p.branches = self._expand(p)
+        self._run([e for p in plans for e in p.branches])
+        if hasattr(self.backend, "evict"):  # free the per-episode KV caches (HF backend)
+            self.backend.evict(*(e.key for p in plans for e in p.episodes))
+
+    def _episode_runner(self) -> EpisodeRunner:
+        server = self._turn_server()
+        gate = WeightGate(server, self.poller, self.stats)
+        return EpisodeRunner(
+            server, self.env, self.chat, self.limits, gate,
+            max_inflight=self.max_inflight, tools=self._tool_pool(), stats=self.stats,
+        )  # fmt: skip
+
+    def _turn_server(self) -> TurnServer:
+        if self._server is None:
+            self._server = as_turn_server(self.backend)
+        return self._server
+
+    def _tool_pool(self) -> ThreadPoolExecutor:
+        if self._tools is None:  # tool calls are blocking Python: threads keep the event loop free
+            self._tools = ThreadPoolExecutor(min(16, self.max_inflight), thread_name_prefix="tools")
+        return self._tools
+
+    def _finish(self, p: _Tree) -> RolloutTree | None:
+        if any(e.verifier_failed for e in p.episodes) and self.limits.on_verifier_error == "drop_tree":
             self.dropped_trees += 1
             return None
-        b.meta["finish"] = json.dumps({str(e.nodes[-1]): e.finish for e in eps if e.nodes})
-        return b.build()
+        p.builder.meta["finish"] = json.dumps({str(e.nodes[-1]): e.finish for e in p.episodes if e.nodes})
+        return p.builder.build()
 
     def _run(self, episodes: list[Episode]) -> None:
-        run_episodes(episodes, self.backend, self.env, self.chat, self.limits, self.weights, self.stats)
+        run_episodes(episodes, self.backend, self.env, self.chat, self.limits, self.poller, self.stats)
 
     def _builder(self, task: Task, tree_id: str) -> TreeBuilder:
         prompt = self.chat.initial_context(self.env.system_prompt(), self.env.user_prompt(task))
         meta = {"task_id": task.task_id, "dataset": task.dataset, "answers": json.dumps(list(task.answers))}
         return TreeBuilder(tree_id, prompt, prompt_id=task.task_id, meta=meta)
 
-    def _episode(self, task: Task, b: TreeBuilder, key: str) -> Episode:
-        return Episode(task, b, parent=0, context=b.context_tokens(0), calls=[], turns_done=0, key=key)
+    def _episode(self, task: Task, b: TreeBuilder, key: str, rng: np.random.Generator) -> Episode:
+        seed = int(rng.integers(1 << 62))
+        ctx = b.context_tokens(0)
+        return Episode(task, b, parent=0, context=ctx, calls=[], turns_done=0, key=key, seed=seed)
 
-    def _branch(self, task: Task, b: TreeBuilder, trunk: Episode, k: int, j: int) -> Episode:
+    def _branch(self, p: _Tree, trunk: Episode, k: int, j: int) -> Episode:
         """A fresh suffix from boundary k of `trunk`: under its k-th turn, after that turn's observation."""
-        anchor = trunk.nodes[k - 1]
+        anchor, b = trunk.nodes[k - 1], p.builder
         return Episode(
-            task,
+            p.task,
             b,
             parent=anchor,
             context=b.context_tokens(anchor),
             calls=list(trunk.calls[:k]),
             turns_done=k,
             key=f"{b.tree_id}/b{j}",
+            seed=int(p.rng.integers(1 << 62)),
             parent_key=trunk.key,  # the backend crops the trunk's cache to the shared prefix
         )
 
     def close(self) -> None:
+        if self._tools is not None:
+            self._tools.shutdown()
+        if self.poller is not None:
+            self.poller.close()
+        if isinstance(self._server, BatchedTurns):
+            self._server.close()
         self.backend.close()
+
+
+_Expand = Callable[["_Tree"], list[Episode]]
+
+
+# The coroutines are module functions, not TreeSampler methods: a class with an `async def` method becomes an
+# asyncio actor in Ray (SamplerActor subclasses TreeSampler), whose sync methods then run on a live event
+# loop where asyncio.run() is refused.
+async def _grow_all(runner: EpisodeRunner, plans: list[_Tree], expand: _Expand) -> None:
+    await runner.drive(gather_or_cancel(*(_grow(runner, p, expand) for p in plans)))
+
+
+async def _grow(runner: EpisodeRunner, p: _Tree, expand: _Expand) -> None:
+    """One tree on its own: its trajectories, then (at once) its branches, then its caches freed. A failing
+    episode cancels the others (`gather_or_cancel`): the round fails as a whole, with nothing left running."""
+    await gather_or_cancel(*(runner.run(e) for e in p.trunks))
+    p.branches = expand(p)
+    await gather_or_cancel(*(runner.run(e) for e in p.branches))
+    await runner.server.release(*(e.key for e in p.episodes))

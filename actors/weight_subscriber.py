@@ -100,7 +100,7 @@ class WeightSubscriber:
         self._tag = 0
         self._asked = 0.0
         self._stats: dict[str, Any] = {"received": 0, "rejected": 0, "gone": 0, "bad_messages": 0}
-        self._stats.update(unhashed=0, waited_for_checksums=0)
+        self._stats.update(unhashed=0, waited_for_checksums=0, unsent=0)
         self._stats.update({"last_error": "", "fetch_s": 0.0, "transport": "", "verified": "", "bytes": 0})
         self.request_latest()
 
@@ -127,7 +127,7 @@ class WeightSubscriber:
 
     def request_latest(self) -> None:
         """Ask the publisher for its newest version (also how a late joiner catches up)."""
-        self._sock.send(LATEST)
+        self._send([LATEST])  # not sent (no peer yet): asked again at the next refresh
         self._asked = time.monotonic()
 
     def stats(self) -> dict[str, Any]:
@@ -147,6 +147,17 @@ class WeightSubscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _send(self, frames: list[bytes]) -> bool:
+        """Send without blocking; False (counted in `stats()["unsent"]`) when no publisher is connected. A
+        DEALER with no peer blocks a send forever: a publisher that is down, or that refused this subscriber's
+        handshake (no or a wrong CURVE key), must not hang `poll`, whose wait is bounded."""
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._stats["unsent"] += 1
+            return False
+        return True
+
     # ---- messages ---------------------------------------------------------------------------------------
     def _on_message(self, frames: list[bytes]) -> None:
         kind = frames[0] if frames else b""
@@ -154,7 +165,9 @@ class WeightSubscriber:
             try:
                 header = WeightHeader.from_bytes(frames[1])
                 locator = json.loads(frames[2])
-            except (WeightMessageError, ValueError) as e:
+                if not isinstance(locator, dict):
+                    raise ValueError(f"the locator is a JSON {type(locator).__name__}, not an object")
+            except (WeightMessageError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 self._reject(-1, WeightMessageError(f"bad announcement: {e}"))
                 return
             v, source = header.version, locator.get("publisher")
@@ -187,7 +200,7 @@ class WeightSubscriber:
         older is fetched meanwhile (on a late joiner too, as LATEST answers with the newest only)."""
         self._stats["waited_for_checksums"] += 1
         self._awaiting, self._offer = (version, source), None
-        self._sock.send_multipart([NEED, VERSION.pack(version)])
+        self._send([NEED, VERSION.pack(version)])  # not sent: the next refresh's announcement asks again
 
     def _may_map_unhashed(self, locator: dict[str, Any]) -> bool:
         """Whether a checksum-less announcement can serve here: its memfd, sealed, is mapped from this host
@@ -285,11 +298,15 @@ class WeightSubscriber:
         sent = inflight = 0
         deadline = time.monotonic() + self.fetch_timeout_s
         while not asm.complete:
-            while inflight < self.window and sent < n:
-                self._sock.send_multipart([GET, META.pack(v, sent, self._tag)])
-                sent, inflight = sent + 1, inflight + 1
+            unsent = False
+            while inflight < self.window and sent < n and not unsent:
+                unsent = not self._send([GET, META.pack(v, sent, self._tag)])
+                sent, inflight = sent + (not unsent), inflight + (not unsent)
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+            # a GET that could not be sent (no peer at the moment) is sent again soon, until the deadline
+            if left <= 0 or not self._sock.poll(int(min(left, 0.05 if unsent else left) * 1000) + 1):
+                if unsent and left > 0:
+                    continue
                 raise WeightMessageError(f"v{v}: timed out with chunks {asm.missing[:8]} of {n} missing")
             frames = self._sock.recv_multipart(copy=False)
             kind = frames[0].bytes

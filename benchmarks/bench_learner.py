@@ -20,7 +20,7 @@ Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 /
     tokens_packed, tokens_paths  tokens forwarded per step by each layout
     packed_speedup_limit tokens_paths / tokens_packed: what packing would give if time were ∝ tokens;
                          packed_speedup_of_limit = packed_speedup / that limit (goal ≥ 0.9)
-    microbatch_*, attention  token-budget micro-batches and long-tree attention (bench_learner_scale.py)
+    microbatch_*, attention  token-budget micro-batches and long-tree attention (learner_microbatch.py)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from actors.policy.tiny_model import build_tiny_model, build_tokenizer
-from benchmarks.bench_learner_scale import attention_scaling, microbatch_overhead
+from benchmarks.learner_microbatch import attention_scaling, microbatch_overhead
 from configs.schema import parse_config
 from learner.learner import Learner
 from learner.packing import pack_paths

@@ -20,6 +20,11 @@
    `prefix_all_branch_turns` covers every turn of every branch. vLLM caches whole KV blocks
    (`kv_block_size`, 128 tokens on CPU), so only the block-aligned part of a shared prefix is reused.
 
+4. The asynchronous loop (benchmarks/sampler_loops.py, same engine, same run): `sampler_over_raw_64`
+   (the full sampler at 64 episodes in flight over the bare engine on the same requests, goal >= 0.95) and
+   `async_over_lockstep` (trees/s of the async loop over the lockstep loop on a long-tailed workload, goal
+   >= 1.3). Items 1-3 run the lockstep loop (`sampler.loop=lockstep`): they replay `backend.sample` calls.
+
 Model: a finished warm-start in launch/model_setup.py's cache if there is one, else a tiny model built here
 from the synthetic KB's tokenizer texts and given a short SFT on oracle trajectories (QUICK_SFT_STEPS):
 a random-init model never emits a stop token or a tool call, so its episodes end after one turn and its
@@ -118,7 +123,7 @@ def _rewind_vllm(backend: Any, n_requests: int) -> None:
     """Makes the one engine behave like a fresh backend with the same seed: request counter back to where
     the sampler phase began (the per-request seeds derive from it), prefix cache emptied."""
     backend._n_requests = n_requests
-    if not backend._engine().reset_prefix_cache():
+    if not backend.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache")
 
 
@@ -163,17 +168,33 @@ def _backend_name() -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from actors.sampler_setup import build_env
+    from benchmarks import sampler_loops
     from configs.schema import load_config
+    from launch.model_setup import build_policy
 
     quick = bool(getattr(args, "quick", False))
-    prompts, chunk, repeats = (4, 4, 2) if quick else (16, 8, 3)
+    prompts, chunk, repeats = (4, 4, 2) if quick else (16, 8, 2)
+    # The per-call figures replay `backend.sample` calls: the lockstep loop makes them (sampler_loops.py
+    # has the asynchronous loop's figures).
     cfg = load_config(None, [f"sampler.backend={_backend_name()}", "logging.progress=false"])
     env = build_env(cfg)
     with tempfile.TemporaryDirectory(prefix="treeopsd-bench-") as tmp:
         t0 = time.perf_counter()
         model, source = _model(cfg, tmp, env)
         out: dict[str, Any] = {"model": source, "model_build_s": round(time.perf_counter() - t0, 1)}
-        out.update(_measure(cfg, model, prompts, chunk, repeats))
+        t0 = time.perf_counter()
+        backend = build_policy(cfg, model, seed=cfg.run.seed)  # one engine for every phase
+        out["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        try:
+            part, backend = _measure(
+                _with(cfg, "sampler.loop=lockstep"), model, prompts, chunk, repeats, backend
+            )
+            out.update(part)
+            out.update(sampler_loops.over_raw(cfg, model, backend, 4 if quick else 16, repeats))
+            out.update(sampler_loops.async_over_lockstep(cfg, model, backend, env, 8 if quick else 16))
+        finally:
+            backend.close()
+    out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return {"backend": cfg.sampler.backend, "prompts": prompts, "M": cfg.algo.M, "N": cfg.algo.N, **out}
 
 
@@ -189,45 +210,41 @@ def _fresh(cfg: Any, model: str, rec: RecordingBackend, eos: int, n0: int) -> No
     _warm_up(rec.inner, eos)
 
 
-def _measure(cfg: Any, model: str, prompts: int, chunk: int, repeats: int) -> dict[str, Any]:
+def _measure(
+    cfg: Any, model: str, prompts: int, chunk: int, repeats: int, backend: Any
+) -> tuple[dict[str, Any], Any]:
     """Sampler phase and raw replay, `repeats` times each from the same state (best time kept: the
-    machine is shared), then prefix statistics; see the module docstring."""
+    machine is shared), then prefix statistics; see the module docstring. Returns the backend too (HF: a
+    fresh one per phase)."""
     from actors.sampler_setup import build_sampler
-    from launch.model_setup import build_policy
 
-    t0 = time.perf_counter()
-    rec = RecordingBackend(build_policy(cfg, model, seed=cfg.run.seed))
-    start_s = time.perf_counter() - t0
-    try:
-        worker = build_sampler(cfg, model, backend=rec)
-        eos = worker.chat.stop_token_ids[0]
-        _warm_up(rec.inner, eos)
-        n0, rng_state = getattr(rec.inner, "_n_requests", 0), worker.rng.bit_generator.state
-        sampler_s: list[tuple[float, float]] = []
-        raw_s: list[float] = []
-        runs: list[tuple[list[Any], list[Any]]] = []  # (trees, calls) per repeat; all repeats are equal
-        for _ in range(repeats):
-            _fresh(cfg, model, rec, eos, n0)
-            worker.rng.bit_generator.state, worker.counter, rec.calls = rng_state, 0, []
-            gc.collect()  # neither timed phase pays for the other's garbage
-            t1, rec.backend_s = time.perf_counter(), 0.0
-            trees = [t for i in range(0, prompts, chunk) for t in worker.sample(min(chunk, prompts - i))]
-            sampler_s.append((time.perf_counter() - t1, rec.backend_s))
-            runs.append((trees, rec.calls))
-            _fresh(cfg, model, rec, eos, n0)
-            gc.collect()
-            seconds, n_req, same = _replay(runs[0][1], rec.inner)
-            raw_s.append(seconds)
-        block = _block_size(rec.inner)
-    finally:
-        rec.inner.close()
-    out = {"engine_start_s": round(start_s, 1), "kv_block_size": block, "repeats": repeats}
+    rec = RecordingBackend(backend)
+    worker = build_sampler(cfg, model, backend=rec)
+    eos = worker.chat.stop_token_ids[0]
+    _warm_up(rec.inner, eos)
+    n0, rng_state = getattr(rec.inner, "_n_requests", 0), worker.rng.bit_generator.state
+    sampler_s: list[tuple[float, float]] = []
+    raw_s: list[float] = []
+    runs: list[tuple[list[Any], list[Any]]] = []  # (trees, calls) per repeat; all repeats are equal
+    for _ in range(repeats):
+        _fresh(cfg, model, rec, eos, n0)
+        worker.rng.bit_generator.state, worker.counter, rec.calls = rng_state, 0, []
+        gc.collect()  # neither timed phase pays for the other's garbage
+        t1, rec.backend_s = time.perf_counter(), 0.0
+        trees = [t for i in range(0, prompts, chunk) for t in worker.sample(min(chunk, prompts - i))]
+        sampler_s.append((time.perf_counter() - t1, rec.backend_s))
+        runs.append((trees, rec.calls))
+        _fresh(cfg, model, rec, eos, n0)
+        gc.collect()
+        seconds, n_req, same = _replay(runs[0][1], rec.inner)
+        raw_s.append(seconds)
+    out: dict[str, Any] = {"kv_block_size": _block_size(rec.inner), "repeats": repeats}
     best, inside = min(sampler_s)
     trees, calls = runs[0]
     out.update(_throughput(trees, calls, best, min(raw_s), n_req, same))
     out["sampler_backend_s"] = round(inside, 3)  # of the best sampler run: time inside backend.sample
     out["sampler_overhead_s"] = round(best - inside, 3)  # agent loop, env, tree building
-    return {**out, **_prefix_report(cfg, model, calls)}
+    return {**out, **_prefix_report(cfg, model, calls)}, rec.inner
 
 
 def _throughput(
@@ -265,9 +282,5 @@ def _prefix_report(cfg: Any, model: str, calls: list[tuple[Any, Any]]) -> dict[s
 
 
 def _block_size(backend: Any) -> int | None:
-    if not hasattr(backend, "_engine"):
-        return None
-    try:
-        return int(backend._engine().llm_engine.vllm_config.cache_config.block_size)
-    except Exception:  # only a label in the report
-        return None
+    block = getattr(backend, "block_size", None)  # vLLM's KV block (HF: none)
+    return int(block) if block is not None else None

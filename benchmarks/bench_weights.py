@@ -18,7 +18,9 @@ with transport="tcp", the cross-host path, for reference: it waits for the hash)
 publisher's copy-seal-announce part of a broadcast); hash_s (its hash of the sealed copy, done when a tcp
 subscriber asks for checksums; same-host subscribers need none); apply_s_hf (publish until the weights are
 loaded into an HF model with HFBackend.load_weights in the subscriber process); cpus and load_avg_1m (the
-machine's load at the end: other processes share it).
+machine's load at the end: other processes share it). With vLLM importable, benchmarks/weights_vllm.py adds
+`inplace_over_file` (loading into one vLLM engine in place over the file-based reload, same bf16 payload,
+goal >= 1.5) and `apply_s_vllm` (publish until loaded into that engine); `vllm` says whether they ran.
 """
 
 from __future__ import annotations
@@ -235,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for case in cases.values():
             case.close()
     r = lambda x: round(x, 4)  # noqa: E731
+    vllm = _vllm_figures(quick, reps)
     return {
         "payload_mb": r(nbytes / 2**20), "tensors": len(payload), "reps": reps, "cpus": os.cpu_count(),
         "raw_zmq_s_1": r(best["raw"]), "broadcast_s_1": r(best["ours_1"]),
@@ -243,5 +246,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hash_s": r(cases["tcp_1"].hash_s),
         "broadcast_tcp_s_1": r(best["tcp_1"]), "broadcast_tcp_s_4": r(best["tcp_4"]),
         "tcp_fanout4_over_fanout1": r(best["tcp_4"] / best["tcp_1"]), "apply_s_hf": r(best["apply"]),
-        "transport": "shm", "load_avg_1m": round(os.getloadavg()[0], 2),
+        "transport": "shm", **vllm, "load_avg_1m": round(os.getloadavg()[0], 2),
     }  # fmt: skip
+
+
+def _vllm_figures(quick: bool, reps: int) -> dict[str, Any]:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"vllm": False}
+    from benchmarks.weights_vllm import run_vllm
+
+    return {"vllm": True, **run_vllm(quick, reps)}

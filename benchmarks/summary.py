@@ -42,6 +42,22 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         "branch-prefix tokens served from the prefix cache",
     ),
     (
+        "sampler",
+        "sampler_over_raw_64",
+        ">=",
+        0.95,
+        ("sampler_64_tokens_per_s", "raw_64_tokens_per_s"),
+        "async sampler at 64 episodes in flight over the bare async engine, same requests",
+    ),
+    (
+        "sampler",
+        "async_over_lockstep",
+        ">=",
+        1.3,
+        ("async_trees_per_s", "lockstep_trees_per_s"),
+        "trees/s of the async loop over the lockstep loop, long-tailed turns (1 in 10 takes 8x)",
+    ),
+    (
         "learner",
         "packed_speedup",
         ">=",
@@ -106,6 +122,49 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         "time to 4 subscribers over time to 1",
     ),
     ("weights", "apply_s_hf", "", None, ("payload_mb",), "publish until loaded into an HF model"),
+    (
+        "weights",
+        "inplace_over_file",
+        ">=",
+        1.5,
+        ("inplace_s_vllm", "file_s_vllm"),
+        "bf16 weights into a vLLM engine in place over the file-based reload, same payload",
+    ),
+    ("weights", "apply_s_vllm", "", None, ("vllm_payload_mb",), "publish until loaded into a vLLM engine"),
+    (
+        "credit",
+        "treeopsd_minus_grpo_lo",
+        ">=",
+        0.0,
+        ("treeopsd_minus_grpo", "treeopsd_minus_grpo_hi", "credit_auc_treeopsd", "credit_auc_grpo"),
+        "lower end of the 95% interval of TreeOPSD's turn-credit AUC minus GRPO's broadcast advantage's "
+        "(paired, same trees): ≥ 0 confirms the paper's mechanism here",
+    ),
+    (
+        "retrieval",
+        "shared_over_inprocess_rss",
+        "<=",
+        0.5,
+        ("shared_total_mb", "inprocess_total_mb", "passages"),
+        "memory of 4 samplers sharing the retrieval service over 4 in-process indexes",
+    ),
+    ("retrieval", "qps", "", None, ("p50_ms", "p99_ms", "clients"), "retrieval service queries/s"),
+    (
+        "learner_ranks",
+        "dp2_over_dp1",
+        ">=",
+        1.7,
+        ("dp2_tokens_per_s", "dp1_tokens_per_s", "dp2_over_dp1_cpu", "loadavg_1m"),
+        "learner tokens/s of 2 FSDP2 ranks (gloo, 1 thread each) over 1 rank, same trees (limit 2)",
+    ),
+    (
+        "learner_ranks",
+        "fsdp2_state_bytes_ratio",
+        "<=",
+        0.55,
+        ("state_bytes_dp2", "state_bytes_dp1"),
+        "per-rank parameter + gradient + AdamW bytes, 2 ranks over 1 (limit 0.5)",
+    ),
 )
 _OPS = {">=": operator.ge, "<=": operator.le}
 

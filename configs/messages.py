@@ -85,7 +85,10 @@ def message(e: ErrorDetails, data: dict[str, Any], root: type[BaseModel]) -> str
         name = str(part)
         if name not in model.model_fields:
             keys = ", ".join(sorted(model.model_fields))
-            return f"unknown key {'.'.join([*path, name])}; allowed keys: {keys}"
+            shown = ".".join([*path, name])
+            if not name or not shown.isprintable() or " " in shown:  # an empty or odd key: quoted
+                shown = repr(shown)
+            return f"unknown key {shown}; allowed keys: {keys}"
         path.append(name)
         info, raw = (
             model.model_fields[name],

@@ -14,69 +14,37 @@ from __future__ import annotations
 import contextlib
 import copy
 import ipaddress
-import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.functional_validators import AfterValidator, BeforeValidator, model_validator
-from pydantic.types import StrictBool, StrictInt, StrictStr
-from pydantic_core import PydanticCustomError
+from pydantic.functional_validators import AfterValidator, model_validator
+from pydantic.types import StrictBool, StrictInt
 
-from configs.messages import Allowed, finite_number, message
-
-_FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-_RHO, _PORT = "a number in the open interval (0, 1/2)", "a port number in [0, 65535]"
-_HOST, _POOL = "a host name or IP address without spaces", "a name of letters, digits, '_' and '-'"
-_CLIP = "a list of 2 values [low, high] with 0 < low < 1 and high > 0"
-_HOPS = "a list of 2 integers [low, high] with 1 <= low <= high"
-_S = TypeVar("_S", bound=BaseModel)
-HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # the head sizes vLLM's CPU attention runs
+from configs.engine_args import check_engine_args
+from configs.fields import (
+    HEAD_DIMS,
+    PORT_ALLOWED,
+    RHO_ALLOWED,
+    Clip,
+    Float,
+    Hops,
+    Host,
+    NonEmptyStr,
+    NonNegFloat,
+    NonNegInt,
+    PoolName,
+    PosFloat,
+    PosInt,
+    Url,
+    rule,
+)
+from configs.messages import Allowed, message
 
 
 class ConfigError(ValueError):
     """A configuration problem, naming the key."""
-
-
-def _pair(value: Any) -> Any:
-    """A tuple field takes a list (or tuple) of exactly two values, nothing else iterable."""
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise PydanticCustomError("config_pair", "not a list of 2 values")
-    return value
-
-
-def _ordered(value: tuple[int, int]) -> tuple[int, int]:
-    """[low, high] with low <= high."""
-    if value[0] > value[1]:
-        raise PydanticCustomError("config_order", "low > high")
-    return value
-
-
-Float = Annotated[float, BeforeValidator(finite_number)]
-PosFloat = Annotated[Float, Field(gt=0)]
-NonNegFloat = Annotated[Float, Field(ge=0)]
-PosInt = Annotated[StrictInt, Field(ge=1)]
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
-NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
-Host = Annotated[StrictStr, Field(pattern=r"^\S+$"), Allowed(_HOST)]
-PoolName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]+$"), Allowed(_POOL)]
-UnitFloat = Annotated[Float, Field(gt=0, lt=1)]
-Clip = Annotated[tuple[UnitFloat, PosFloat], BeforeValidator(_pair), Allowed(_CLIP)]
-Hops = Annotated[tuple[PosInt, PosInt], BeforeValidator(_pair), AfterValidator(_ordered), Allowed(_HOPS)]
-Url = Annotated[StrictStr, Field(pattern=r"^https?://\S+$"), Allowed("an http:// or https:// URL")]
-
-
-def _rule(section: _S, ok: bool, name: str, allowed: str) -> _S:
-    """A rule across fields: the section back if `ok`, else an error naming field `name` (dotted: a field of
-    a sub-section, for rules across sections)."""
-    if not ok:
-        value: Any = section
-        for part in name.split("."):
-            value = getattr(value, part)
-        ctx = {"field": name, "value": value, "allowed": allowed}
-        raise PydanticCustomError("config_rule", "{field} = {value} is invalid: expected {allowed}", ctx)
-    return section
 
 
 class _Section(BaseModel):
@@ -91,6 +59,11 @@ class RunConfig(_Section):
     steps: PosInt = 20
     time_limit_s: Annotated[NonNegFloat, Field(description="0: no limit")] = 0.0
     eval_tasks: PosInt = 120
+    # self-healing (launch/supervision.py): a dead or failed learner (any rank) is restarted inside the run
+    # from its newest checkpoint at most this many times; 0: the run stops and waits for --resume
+    max_learner_restarts: NonNegInt = 3
+    max_store_restarts: NonNegInt = 3  # the store actor, restarted by Ray: it reopens from disk
+    max_backup_restarts: NonNegInt = 10  # the backup actor is stateless: its leased trees come back
 
 
 class AlgoConfig(_Section):
@@ -98,7 +71,7 @@ class AlgoConfig(_Section):
     M: PosInt = 4  # initial trajectories per prompt (tree methods)
     N: NonNegInt = 2  # branches per trajectory
     G: Annotated[StrictInt, Field(ge=2)] = 8  # group size (GRPO, GSPO)
-    rho: Annotated[Float, Field(gt=0, lt=0.5), Allowed(_RHO)] = 0.1
+    rho: Annotated[Float, Field(gt=0, lt=0.5), Allowed(RHO_ALLOWED)] = 0.1
     teacher: Literal["odds", "logistic"] = "odds"
     credit: Literal["pointwise", "listwise"] = "pointwise"
     backup_weights: Literal["uniform", "geo_likelihood", "seq_likelihood", "leaf_count"] = "uniform"
@@ -122,7 +95,7 @@ class AlgoConfig(_Section):
     @model_validator(mode="after")
     def _depth_correction_for_treeopsd(self) -> Self:
         ok = not self.depth_correction or self.method == "treeopsd"
-        return _rule(
+        return rule(
             self, ok, "depth_correction", "false unless algo.method = treeopsd (it reweights its loss)"
         )
 
@@ -130,7 +103,7 @@ class AlgoConfig(_Section):
     def _listwise_rho(self) -> Self:
         # |V_c − V_parent| is not bounded by the ρ calibration (system/teacher.py)
         listwise_ok = self.credit != "listwise" or self.rho < 0.25
-        return _rule(self, listwise_ok, "rho", "< 0.25 with algo.credit = listwise, so q stays in (0, 1)")
+        return rule(self, listwise_ok, "rho", "< 0.25 with algo.credit = listwise, so q stays in (0, 1)")
 
     @property
     def is_tree_method(self) -> bool:
@@ -157,10 +130,10 @@ class TinyModelConfig(_Section):
     @model_validator(mode="after")
     def _shapes(self) -> Self:
         hidden, heads, kv_heads = self.hidden, self.heads, self.kv_heads
-        _rule(self, hidden % heads == 0, "heads", f"a divisor of model.tiny.hidden ({hidden})")
-        _rule(self, heads % kv_heads == 0, "kv_heads", f"a divisor of model.tiny.heads ({heads})")
+        rule(self, hidden % heads == 0, "heads", f"a divisor of model.tiny.hidden ({hidden})")
+        rule(self, heads % kv_heads == 0, "kv_heads", f"a divisor of model.tiny.heads ({heads})")
         why = f"hidden / heads (the head dim, {hidden // heads} here) to be one of {str(HEAD_DIMS)[1:-1]}"
-        return _rule(self, hidden // heads in HEAD_DIMS, "hidden", why)
+        return rule(self, hidden // heads in HEAD_DIMS, "hidden", why)
 
 
 class ModelConfig(_Section):
@@ -192,20 +165,26 @@ class EnvConfig(_Section):
     retriever_retries: NonNegInt = 2  # retries after a failed request, with exponential backoff
     index: Literal["bm25", "dense"] = "bm25"
     encoder: NonEmptyStr | None = None  # a local sentence-transformers folder (index = dense)
+    # How the agent writes calls and sees results (actors/protocols): plain `search: …` lines, Qwen3
+    # `<tool_call>` JSON through the chat template's tools=, Search-R1 tags; auto: qwen3 when the
+    # tokenizer's chat template handles tools, else plain
+    protocol: Literal["plain", "qwen3", "search_r1", "auto"] = "plain"
+    enable_thinking: StrictBool = True  # passed to the chat template (Qwen3: false adds an empty <think>)
+    require_search: StrictBool = False  # an answer given before any search call gets reward 0
 
     @model_validator(mode="after")
     def _retriever_rules(self) -> Self:
         ok = self.retriever == "service" or self.retriever_url is None
-        _rule(self, ok, "retriever", "'service' when env.retriever_url is set")
+        rule(self, ok, "retriever", "'service' when env.retriever_url is set")
         local_ok = self.index == "bm25" or self.retriever == "service"  # a dense index is served, shared
-        _rule(self, local_ok, "index", "'bm25' with env.retriever = local (dense needs the service)")
+        rule(self, local_ok, "index", "'bm25' with env.retriever = local (dense needs the service)")
         dense_ok = self.index != "dense" or self.encoder is not None
-        return _rule(self, dense_ok, "encoder", "a local encoder folder with env.index = dense")
+        return rule(self, dense_ok, "encoder", "a local encoder folder with env.index = dense")
 
     @model_validator(mode="after")
     def _turn_fits_budget(self) -> Self:
         ok, budget = self.max_turn_tokens <= self.token_budget, self.token_budget
-        return _rule(self, ok, "max_turn_tokens", f"an integer <= env.token_budget ({budget})")
+        return rule(self, ok, "max_turn_tokens", f"an integer <= env.token_budget ({budget})")
 
 
 class SamplerConfig(_Section):
@@ -216,6 +195,15 @@ class SamplerConfig(_Section):
     top_k: Annotated[NonNegInt, Field(description="0: off")] = 0
     prompts_per_request: PosInt = 1
     max_restarts: NonNegInt = 3
+    # async: every episode (and branch) advances on its own over the backend's async engine (vLLM) or
+    # gathered batches (HF); lockstep: one backend call per round of turns (docs/design.md §13)
+    loop: Literal["async", "lockstep"] = "async"
+    max_inflight_episodes: PosInt = 64  # episodes being sampled at once per sampler (async loop)
+    # vLLM engine arguments (vLLM's names; defaults per platform: actors/policy/vllm_engine.py)
+    engine: Annotated[
+        dict[str, Any], AfterValidator(check_engine_args), Allowed("a mapping of vLLM engine arguments")
+    ] = Field(default_factory=dict)
+    unhealthy_grace_s: PosFloat = 180.0  # the run fails when no sampler has been healthy for this long
 
 
 class LearnerConfig(_Section):
@@ -233,6 +221,10 @@ class LearnerConfig(_Section):
     # Token budget of one forward/backward (0: one micro-batch per mini-batch); larger trees are split
     max_tokens_per_microbatch: NonNegInt = 0
     tree_attention: Literal["auto", "chunked", "flex"] = "auto"  # auto: flex on CUDA, chunked SDPA on CPU
+    # Learner processes (FSDP2 shards, one placement-group bundle of resources.learner each); 1: one process
+    ranks: PosInt = 1
+    # A collective not joined by every rank within this fails the step, naming the lost rank (ranks > 1)
+    collective_timeout_s: PosFloat = 300.0
 
 
 class StoreConfig(_Section):
@@ -242,14 +234,21 @@ class StoreConfig(_Section):
 
 class WeightsConfig(_Section):
     bind_host: Host = "127.0.0.1"
-    port: Annotated[StrictInt, Field(ge=0, le=65535, description="0: pick a free port"), Allowed(_PORT)] = 0
+    port: Annotated[
+        StrictInt, Field(ge=0, le=65535, description="0: pick a free port"), Allowed(PORT_ALLOWED)
+    ] = 0
     chunk_mb: PosInt = 4
     auth: Literal["none", "curve"] = "none"  # must be "curve" when bind_host is not loopback
+    # dtype of the broadcast tensors; auto: bfloat16 when learner.precision is bfloat16, else float32
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    fetch_timeout_s: PosFloat = 30.0  # a sampler gives up a version whose chunks do not all arrive in this
+    apply_timeout_s: PosFloat = 300.0  # loading a version into a sampler's engine workers (vLLM RPC)
+    sync_wait_s: PosFloat = 60.0  # run.mode = sync: how long a sampler waits for the newest version
 
     @model_validator(mode="after")
     def _auth_off_loopback(self) -> Self:
         ok = is_loopback(self.bind_host) or self.auth == "curve"
-        return _rule(self, ok, "auth", "'curve' when weights.bind_host is not loopback")
+        return rule(self, ok, "auth", "'curve' when weights.bind_host is not loopback")
 
 
 def is_loopback(host: str) -> bool:
@@ -294,14 +293,21 @@ class Config(_Section):
         # Recomputed μ is θ_old at the learner; in async mode turns come from older versions (algorithm §11).
         ok = self.algo.behavior_logprobs != "recompute" or self.admission_eta == 0
         why = "'sampler' in async mode (recompute needs run.mode = sync or store.eta = 0)"
-        return _rule(self, ok, "algo.behavior_logprobs", why)
+        return rule(self, ok, "algo.behavior_logprobs", why)
 
     @model_validator(mode="after")
     def _flex_needs_a_gpu(self) -> Self:
         # FlexAttention has no backward on the CPU (torch 2.13), and the learner is on the CPU without a GPU.
         ok = self.learner.tree_attention != "flex" or self.resources.learner.num_gpus > 0
         why = "'auto' or 'chunked' without a learner GPU (flex needs resources.learner.num_gpus > 0)"
-        return _rule(self, ok, "learner.tree_attention", why)
+        return rule(self, ok, "learner.tree_attention", why)
+
+    @property
+    def weights_dtype(self) -> str:
+        """`weights.dtype` resolved: auto follows the learner's precision."""
+        if self.weights.dtype != "auto":
+            return self.weights.dtype
+        return "bfloat16" if self.learner.precision == "bfloat16" else "float32"
 
     @property
     def store_dir(self) -> str:
@@ -321,6 +327,11 @@ def to_dict(cfg: BaseModel) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
 
 
+# PyYAML raises its YAMLError, and ValueError or KeyError for some scalars (`2020-02-30`, `!!bool maybe`);
+# UnicodeDecodeError (a ValueError) for a file that is not UTF-8
+YAML_ERRORS = (yaml.YAMLError, ValueError, KeyError)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`key.sub=value` overrides, values parsed as YAML (`algo.rho=0.25`, `env.train_hops=[2,3]`)."""
     for item in overrides:
@@ -329,11 +340,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, raw = item.split("=", 1)
         node = data
         parts = key.strip().split(".")
+        if not all(parts):  # "=1", "algo.=1", "algo..M=1": no key to name
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key}: {p} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except YAML_ERRORS as e:
+            problem = " ".join(str(e).split())  # one line
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
     return data
 
 
@@ -355,7 +372,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as e:
+    except YAML_ERRORS as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")

@@ -22,10 +22,16 @@ COMMANDS = {
     "store": "inspect or verify a replay store",
     "report": "render PNG plots from a run's tensorboard logs",
     "scale": "add or remove sampler actors of a running job",
+    "export": "write a learner checkpoint (either format) as a Hugging Face folder",
     "experiment": "run the paper-table experiment grid",
     "retrieve": "serve a corpus over HTTP for all samplers (Search-R1's POST /retrieve)",
+    "model": "import a .gguf model file as a Hugging Face folder",
+    "data": "dataset tools (decrypt BrowseComp-Plus queries)",
+    "soak": "train while killing a random role on a schedule; audit the store and the batches after",
 }
-BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights", "credit", "retrieval")
+BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights", "credit", "retrieval", "learner_ranks")
+# a benchmark is the module benchmarks.bench_<name> unless named here
+BENCH_MODULES = {"learner_ranks": "benchmarks.learner_ranks"}
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +46,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     names = BENCHMARKS if args.name == "all" else (args.name,)
     results = {}
     for name in names:
-        results[name] = importlib.import_module(f"benchmarks.bench_{name}").run(args)
+        results[name] = importlib.import_module(BENCH_MODULES.get(name, f"benchmarks.bench_{name}")).run(args)
     out = results[names[0]] if len(names) == 1 else results
     text = json.dumps(out, sort_keys=True)
     print(text)
@@ -68,6 +74,10 @@ def _write_summary(results: dict, out: str) -> None:
         f"{platform.python_version()}, load average {os.getloadavg()[0]:.2f} at the end, {provenance.now()}."
     )
     write_atomic(Path(out).with_suffix(".md"), render(results, where).encode())
+    if isinstance(results.get("credit"), dict) and "trees" in results["credit"]:
+        from benchmarks.credit_report import render as render_credit
+
+        write_atomic(Path(out).with_name("credit.md"), render_credit(results["credit"]).encode())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.evaluation import evaluate, take
+from launch.retrieval_recall import attach_qrels
 
 
 class EvalDataError(ValueError):
@@ -32,7 +33,9 @@ class EvalDataError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: model.path / tiny)")
+    parser.add_argument(
+        "--model", default=None, help="HF folder or .gguf (imported once; default: model.path / tiny)"
+    )
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
     parser.add_argument("--data", action="append", default=None, help="a local dataset file (repeatable)")
     parser.add_argument("--limit", type=int, default=None, help="at most N tasks per dataset")
@@ -42,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="also K sampled episodes per task at temperature 1 (pass@1, pass@K)",
+    )
+    parser.add_argument(
+        "--qrels", default=None, help="TREC qrels: also report retrieval recall (gold docs retrieved)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
@@ -114,18 +120,39 @@ def _corpus_env(cfg: Any, shared: dict[str, Any]) -> Any:
     return shared["env"]
 
 
+def _qrels(path: str) -> dict[str, dict[str, int]]:
+    from actors.envs.deep_research import load_qrels
+
+    try:
+        return load_qrels(path)
+    except (ValueError, OSError) as e:
+        msg = str(e)
+        raise EvalDataError(msg if path in msg else f"--qrels {path}: {msg}") from None
+
+
 # ---- the command ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
-    from launch.model_setup import ModelPathError, build_policy, check_model_path, resolve_model
+    from launch.model_setup import ModelPathError
+    from launch.retrieval_actor import local_retrieval
 
     try:
         cfg = load_config(args.config, args.overrides)
-        model = check_model_path(args.model, "--model") if args.model else None
-        sets = [(name, env, take(tasks, args.limit)) for name, env, tasks in eval_sets(cfg, args.data or [])]
+        with local_retrieval(cfg) as cfg:  # env.retriever = service without a URL: served from here
+            return _evaluate(args, cfg)
     except (ConfigError, ModelPathError, EvalDataError) as e:
         print(f"treeopsd eval: {e}", file=sys.stderr)
         return 2
+
+
+def _evaluate(args: argparse.Namespace, cfg: Any) -> int:
+    from launch.model_setup import build_policy, check_model_path, models_dir_of, resolve_model
+
+    model = check_model_path(args.model, "--model", models_dir_of(cfg)) if args.model else None
+    sets = [(name, env, take(tasks, args.limit)) for name, env, tasks in eval_sets(cfg, args.data or [])]
+    if args.qrels:  # recall against these gold documents (BrowseComp-Plus queries carry their own)
+        qrels = _qrels(args.qrels)
+        sets = [(name, env, attach_qrels(tasks, qrels)) for name, env, tasks in sets]
     model = model or resolve_model(cfg, progress=cfg.logging.progress)
     backend = build_policy(cfg, model, seed=cfg.run.seed, greedy=True)
     try:
@@ -167,6 +194,10 @@ def _table(report: dict[str, Any]) -> str:
         if "samples" in r:
             k, p1, pk = r["samples"], r["sampled_success"], r["pass_at_k"]
             lines.append(f"  sampled (T=1, {k} per task): pass@1 {p1:.3f}, pass@{k} {pk:.3f}")
+        if "retrieval_recall" in r:
+            lines.append(
+                f"  retrieval recall (qrels, {r['recall_tasks']} tasks): {r['retrieval_recall']:.3f}"
+            )
     if len(report["datasets"]) > 1:
         lines.append(line("overall", report))
     return "\n".join(lines)

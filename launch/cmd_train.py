@@ -68,24 +68,39 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
     import ray
     from tqdm.auto import tqdm
 
+    from launch.leftovers import reap_dead_run, record_local_ray
     from launch.ray_run import Driver, init_ray, start_topology, stop_topology
+    from launch.signals import Abort, GracefulStop, finish_step
     from storage.durable import write_atomic
     from storage.metrics import NullSink, TensorboardSink
 
     run_dir = Path(cfg.run.run_dir)
+    reap_dead_run(run_dir)  # what a SIGKILLed driver of this run left behind (launch/leftovers.py)
     init_ray(cfg)
     sink = TensorboardSink(run_dir / "tb") if cfg.logging.tensorboard else NullSink()
-    topo = start_topology(cfg, model_path, resume)
-    try:
-        with tqdm(total=cfg.run.steps, desc=cfg.run.name, unit="step", disable=not progress) as bar:
-            driver = Driver(cfg, topo, sink, bar)
-            bar.update(driver.step)
-            summary = driver.run(cfg.run.steps)
-        summary["checkpoint"] = ray.get(topo.learner.save_final.remote())
-        summary["store"] = ray.get(topo.store.stats.remote())
-    finally:
-        stop_topology(topo)
-        sink.close()
+    with GracefulStop() as stop:  # after init_ray: replaces Ray's SIGTERM handler (launch/signals.py)
+        topo = start_topology(cfg, model_path, resume)
+        record_local_ray(run_dir)
+        try:
+            with tqdm(total=cfg.run.steps, desc=cfg.run.name, unit="step", disable=not progress) as bar:
+                driver = Driver(cfg, topo, sink, bar)
+                driver.stop_requested = stop.requested
+                bar.update(driver.step)
+                summary = driver.run(cfg.run.steps)
+                if stop.signum is not None and not finish_step(driver):
+                    raise Abort(stop.signum)  # the step did not end: abandoned, the newest checkpoint stands
+            summary["steps_this_run"] += driver.step - summary["steps"]
+            summary.update(steps=driver.step, stopped_by=stop.name() or None)
+            summary["checkpoint"] = driver.supervisor.save_final(driver)  # every rank's shards
+            summary["store"] = ray.get(topo.store.stats.remote())
+        except Abort:
+            ray.shutdown()  # every actor of the run killed at once; what they wrote is atomic
+            topo = None
+            raise
+        finally:
+            if topo is not None:
+                stop_topology(topo)
+            sink.close()
     tb = str(run_dir / "tb") if cfg.logging.tensorboard else None
     summary.update({"name": cfg.run.name, "run_dir": str(run_dir), "tensorboard": tb, "mode": cfg.run.mode})
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str).encode())
@@ -104,13 +119,33 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prepare_run_dir(cfg, args.resume)
     before = evaluate_split(cfg, model_path) if args.eval else None
+    from launch.learner_group import LearnerRankError
+    from launch.restart_policy import RoleFailed, resume_command
+    from launch.signals import Abort
+
+    again = resume_command(sys.argv[1:], cfg.run.run_dir)
     try:
         summary = train(cfg, model_path, resume=args.resume, progress=cfg.logging.progress)
     except ConfigError as e:  # e.g. a pool that no node of the cluster provides
         print(f"treeopsd train: {e}", file=sys.stderr)
         return 2
+    except (LearnerRankError, RoleFailed) as e:  # restarts used up: the run stops, --resume continues it
+        print(f"treeopsd train: {e}\ncontinue from the last checkpoint with: {again}", file=sys.stderr)
+        return 1
+    except Abort as e:  # a second SIGINT/SIGTERM: 128 + the signal number (launch/signals.py)
+        print(f"treeopsd train: {e}\ncontinue from the last checkpoint with: {again}", file=sys.stderr)
+        return e.exit_code
+    if summary.get("stopped_by"):  # a first SIGINT/SIGTERM: stopped cleanly, exit 0
+        print(
+            f"treeopsd train: stopped by {summary['stopped_by']} at step {summary['steps']} of "
+            f"{cfg.run.steps}; checkpoint {summary['checkpoint']}\ncontinue with: {again}",
+            file=sys.stderr,
+        )
     if args.eval:
-        summary["eval_before"], summary["eval_after"] = before, evaluate_split(cfg, summary["checkpoint"])
+        from launch.cmd_export import hf_folder  # a sharded checkpoint is exported first
+
+        after = evaluate_split(cfg, hf_folder(summary["checkpoint"]))
+        summary["eval_before"], summary["eval_after"] = before, after
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -118,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
 def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
     from actors.sampler_setup import build_env, load_split
     from launch.evaluation import evaluate, take
+    from launch.retrieval_actor import local_retrieval
 
-    env = build_env(cfg)
-    tasks = take(load_split(cfg, "eval", env), cfg.run.eval_tasks)
-    return evaluate(cfg, model_path, tasks, env, progress=cfg.logging.progress)
+    with local_retrieval(cfg) as cfg:  # the run's own service lives only inside `train`
+        env = build_env(cfg)
+        tasks = take(load_split(cfg, "eval", env), cfg.run.eval_tasks)
+        return evaluate(cfg, model_path, tasks, env, progress=cfg.logging.progress)

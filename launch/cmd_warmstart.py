@@ -4,9 +4,12 @@
     treeopsd warmstart --steps 300 --out /tmp/tiny       # elsewhere, other settings
     treeopsd warmstart --json run.seed=1
 
-Prints greedy success on the config's eval split before (the same random-init model the warm-start starts
-from) and after, per hop count, both measured by `treeopsd eval`'s evaluator (the sampler's agent loop), and
-where the model is. A finished warm-start with the same settings is reused, not retrained.
+With `model.path` set, that model is SFT'd instead, on oracle trajectories written in `env.protocol`
+(`treeopsd warmstart model.path=runs/models/smollm2 env.protocol=qwen3 --steps 40`); a missing or
+unsupported path is one error line. Otherwise it prints greedy success on the config's eval split before
+(the same random-init model the warm-start starts from) and after, per hop count, both measured by
+`treeopsd eval`'s evaluator (the sampler's agent loop), and where the model is. A finished warm-start with
+the same settings is reused, not retrained.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from typing import Any
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
     parser.add_argument("--out", default=None, help="model folder (default: <run_dir>/../models/tiny-<hash>)")
-    parser.add_argument("--steps", type=int, default=None, help="SFT steps (default: model.warmstart_steps)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="SFT steps (default: model.warmstart_steps; 40 with model.path)",
+    )
     parser.add_argument("--no-before", action="store_true", help="skip evaluating the random-init model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
@@ -51,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"treeopsd warmstart: {e}", file=sys.stderr)
         return 2
+    if cfg.model.path:  # a pretrained model: SFT it on env.protocol instead of building the tiny one
+        return _warmstart_model(args, cfg)
     from actors.sampler_setup import build_env, load_split
     from launch.evaluation import evaluate, take
     from launch.model_setup import warm_start_tiny
@@ -78,6 +88,29 @@ def run(args: argparse.Namespace) -> int:
         "warmstart_report_success": report.get("success"),  # the warm-start's own greedy evaluator
     }
     print(json.dumps(out, sort_keys=True) if args.json else _text(out))
+    return 0
+
+
+def _warmstart_model(args: argparse.Namespace, cfg: Any) -> int:
+    """SFT of `model.path` on oracle trajectories in `env.protocol` (actors/policy/protocol_sft.py)."""
+    from pathlib import Path
+
+    from actors.policy.protocol_sft import protocol_warmstart
+    from launch.model_setup import ModelPathError, check_model_path, models_dir_of
+
+    try:
+        model = check_model_path(cfg.model.path, models_dir=models_dir_of(cfg))
+    except ModelPathError as e:
+        print(f"treeopsd warmstart: {e}", file=sys.stderr)
+        return 2
+    out = args.out or str(models_dir_of(cfg) / f"{Path(model).name}-{cfg.env.protocol}-sft")
+    report = protocol_warmstart(
+        model, out, cfg.env.protocol, steps=args.steps or 40, seed=cfg.run.seed,
+        enable_thinking=cfg.env.enable_thinking, progress=cfg.logging.progress,
+    )  # fmt: skip
+    how = "reused" if report["cached"] else f"SFT in {report['seconds']:.1f} s"
+    text = f"{how} on the {report['protocol']} protocol: loss {report['loss_first']} -> {report['loss_last']}"
+    print(json.dumps(report, sort_keys=True) if args.json else f"{text}\nmodel: {report['model_dir']}")
     return 0
 
 

@@ -96,13 +96,15 @@ def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> l
     from tqdm.auto import tqdm
 
     from actors.agent_loop import Episode, run_episodes
-    from actors.chat import ChatFormat
+    from actors.protocols import bind_protocol
     from actors.sampler_setup import loop_limits
     from launch.model_setup import load_tokenizer
+    from launch.retrieval_recall import episode_recall
     from system.tree_build import TreeBuilder
 
-    chat = ChatFormat.from_tokenizer(getattr(backend, "tokenizer", None) or load_tokenizer(model_path))
-    recorder, limits, rows = _FinalSteps(env), loop_limits(cfg), []
+    tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
+    chat, agent_env = bind_protocol(cfg.env, tokenizer, env)  # env.protocol, as in training
+    recorder, limits, rows = _FinalSteps(agent_env), loop_limits(cfg), []
     with tqdm(
         total=len(tasks), desc=f"eval {label}", unit="task", disable=not progress, mininterval=1.0
     ) as bar:
@@ -110,18 +112,22 @@ def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> l
             part = [replace(t) for t in tasks[start : start + max(1, batch)]]
             episodes = []
             for i, task in enumerate(part):
-                prompt = chat.initial_context(env.system_prompt(), env.user_prompt(task))
+                prompt = chat.initial_context(agent_env.system_prompt(), agent_env.user_prompt(task))
                 b = TreeBuilder(f"eval-{label}-{start + i}", prompt, prompt_id=task.task_id)
                 episodes.append(Episode(task, b, 0, b.context_tokens(0), [], 0, key=b.tree_id))
             run_episodes(episodes, backend, recorder, chat, limits)
-            rows += [_row(e, recorder.info.get(id(e.task), {})) for e in episodes]
+            recalls = episode_recall(env, episodes)  # None without qrels
+            rows += [
+                _row(e, recorder.info.get(id(e.task), {}), r) for e, r in zip(episodes, recalls, strict=True)
+            ]
             _evict(backend, episodes)
             bar.update(len(part))
     return rows
 
 
-def _row(e: Any, info: dict[str, Any]) -> dict[str, Any]:
+def _row(e: Any, info: dict[str, Any], recall: float | None = None) -> dict[str, Any]:
     return {
+        "recall": recall,
         "dataset": e.task.dataset,
         "hops": e.task.meta.get("hops"),
         "reward": float(e.reward or 0.0),
@@ -145,7 +151,7 @@ def _stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return round(sum(r[key] for r in rows) / n, 4) if n else 0.0
 
     answered = sum(r["finish"] == "answer" for r in rows) / n if n else 0.0
-    return {
+    out = {
         "n": n,
         "success": mean("reward"),
         "em": mean("em"),
@@ -153,6 +159,11 @@ def _stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "answered": round(answered, 4),
         "mean_turns": mean("turns"),
     }
+    recalls = [r["recall"] for r in rows if r.get("recall") is not None]
+    if recalls:  # tasks with qrels: the fraction of their gold documents some search returned
+        out["retrieval_recall"] = round(sum(recalls) / len(recalls), 4)
+        out["recall_tasks"] = len(recalls)
+    return out
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

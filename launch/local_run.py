@@ -18,7 +18,7 @@ from pathlib import Path
 from actors.backup_worker import BackupWorker
 from actors.sampler_setup import build_sampler
 from actors.tree_sampler import TreeSampler
-from configs.schema import Config
+from configs.schema import Config, ConfigError
 from learner.learner import Learner
 from storage.replay_store import ReplayStore
 from system.policy import PolicyBackend
@@ -59,6 +59,11 @@ def build_local_run(
     """`backend_factory(index) -> PolicyBackend` overrides the configured backend (tests use HF models)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if cfg.learner.ranks > 1:  # ranks are processes: only the Ray wiring starts them
+        raise ConfigError(
+            f"learner.ranks = {cfg.learner.ranks} is invalid: expected 1 when the roles run in one process "
+            "(launch/local_run.py); the sharded learner runs on Ray (treeopsd train)"
+        )
     store = ReplayStore(Path(cfg.store_dir), eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees)
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)

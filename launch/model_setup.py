@@ -25,16 +25,65 @@ class ModelPathError(ValueError):
     """A model path that does not exist or is not a model (an HF folder or a .gguf file)."""
 
 
-def check_model_path(path: str | Path, what: str = "model.path") -> str:
-    """The path as a string if it is an HF causal-LM folder (has config.json) or a .gguf file."""
+ACCEPTED = "a Hugging Face causal-LM folder (config.json, *.safetensors, a tokenizer) or a .gguf file"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_path(path: str | Path, what: str = "model.path", models_dir: str | Path | None = None) -> str:
+    """The HF folder to load: `path` itself if it is one, or a .gguf file imported once into
+    `models_dir` (default runs/models; launch/model_import.py). Anything else is a ModelPathError naming
+    `what`, the path and what is accepted."""
     p = Path(path).expanduser()
+    where = f"{what} = {str(path)!r}"
     if not p.exists():
-        raise ModelPathError(f"{what} = {str(path)!r}: no such file or folder")
-    if p.is_file() and p.suffix != ".gguf":
-        raise ModelPathError(f"{what} = {str(path)!r} is a file but not a .gguf model")
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise ModelPathError(f"{what} = {str(path)!r} is not a Hugging Face model folder (no config.json)")
+        raise ModelPathError(f"{where}: no such file or folder; expected {ACCEPTED}")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelPathError(f"{where} is a file but not a .gguf model; expected {ACCEPTED}")
+        from launch.model_import import ModelImportError, cached_import
+
+        try:
+            return cached_import(p, models_dir or Path("runs/models"))
+        except ModelImportError as e:
+            raise ModelPathError(f"{where}: {e}") from None
+    problem = _folder_problem(p)
+    if problem:
+        raise ModelPathError(f"{where} is not a usable model folder ({problem}); expected {ACCEPTED}")
     return str(p)
+
+
+def _folder_problem(folder: Path) -> str | None:
+    config = folder / "config.json"
+    if not config.is_file():
+        return "no config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return "config.json is not a JSON object"
+    if not model_type:
+        return "config.json names no model_type"
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        return "no weights: no *.safetensors or *.bin file"
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return "no tokenizer files"
+    if not _has_chat_template(folder):  # every agent protocol renders its turns with the template
+        return "no chat template: no chat_template.jinja, none in tokenizer_config.json"
+    return None
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):  # missing, or not JSON (UnicodeDecodeError is a ValueError)
+        return False
+    return isinstance(tok_cfg, dict) and bool(tok_cfg.get("chat_template"))
+
+
+def models_dir_of(cfg: Config) -> Path:
+    """Where models built or imported for runs of this config live: beside the run directory."""
+    return Path(cfg.run.run_dir).parent / "models"
 
 
 def tiny_model_dir(cfg: Config, steps: int | None = None, models_dir: str | Path | None = None) -> Path:
@@ -79,7 +128,7 @@ def resolve_model(cfg: Config, progress: bool = True, models_dir: str | Path | N
     """`cfg.model.path` (must exist), else the cached warm-started tiny model (trained on first use) in
     `models_dir` (default: beside the run directory)."""
     if cfg.model.path:
-        return check_model_path(cfg.model.path)
+        return check_model_path(cfg.model.path, models_dir=models_dir or models_dir_of(cfg))
     out = tiny_model_dir(cfg, models_dir=models_dir)
     return str(warm_start_tiny(cfg, out=out, progress=progress)["model_dir"])
 

@@ -28,13 +28,15 @@ import ray
 from ray.rllib.utils.actor_manager import FaultTolerantActorManager
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from actors.backup_worker import BackupWorker
+from actors.failures import SamplerFailure, from_ray_error
 from actors.sampler_actor import SamplerActor
 from configs.schema import Config, to_dict
+from launch.learner_group import LearnerGroup, LearnerRankError, start_learner_group
 from launch.pools import check_pools
 from launch.retrieval_actor import start_retrieval_service, stop_retrieval_service
-from learner.learner_actor import LearnerActor
-from storage.replay_store_actor import RemoteStore, start_store_actor
+from launch.supervision import Supervisor, start_backup
+from storage.replay_store_actor import start_store_actor
+from storage.role_log import with_role_log
 from system.interfaces import MetricsSink
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ def required_cpus(cfg: Config) -> float:
     r = cfg.resources
     return (
         cfg.sampler.num_samplers * r.sampler.num_cpus
-        + r.learner.num_cpus
+        + cfg.learner.ranks * r.learner.num_cpus
         + r.backup.num_cpus
         + r.store.num_cpus
     )
@@ -85,7 +87,7 @@ def role_options(cfg: Config, role: str) -> dict[str, Any]:
 @dataclass
 class Topology:
     store: Any
-    learner: Any
+    learner: Any  # the learner actor (rank 0 of `learners` when learner.ranks > 1)
     backup: Any
     manager: FaultTolerantActorManager
     sampler_cls: Any
@@ -93,25 +95,28 @@ class Topology:
     next_index: int = 0
     refs: dict[str, Any] = field(default_factory=dict)
     retrieval: Any = None  # the run's shared retrieval service (launch/retrieval_actor.py), if it started one
+    learners: LearnerGroup | None = None  # every learner rank (launch/learner_group.py)
 
 
 def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topology:
     check_pools(cfg)  # a pool no node provides fails here, before any actor starts
     data = to_dict(cfg)
     retrieval = start_retrieval_service(cfg, data)  # before the samplers: they get its URL through `data`
-    store = start_store_actor(cfg.store_dir, eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees)
-    learner = (
-        ray.remote(LearnerActor)
-        .options(**role_options(cfg, "learner"))
-        .remote(data, model_path, store, resume)
-    )
+    store = start_store_actor(
+        cfg.store_dir, eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees,
+        max_restarts=cfg.run.max_store_restarts,  # Ray restarts a dead store in place (launch/supervision.py)
+        run_dir=cfg.run.run_dir,  # RUN_DIR/logs/store-0.log
+    )  # fmt: skip
+    learners = start_learner_group(cfg, data, model_path, store, resume, role_options(cfg, "learner"))
+    learner = learners.rank0
     endpoint, key = ray.get(learner.endpoint.remote())
-    sampler_cls = ray.remote(max_restarts=cfg.sampler.max_restarts)(SamplerActor)
-    backup_cls = ray.remote(BackupWorker).options(**role_options(cfg, "backup"))
-    backup = backup_cls.remote(RemoteStore(store), cfg.algo)
+    logs = cfg.run.run_dir  # each sampler writes RUN_DIR/logs/sampler-<i>.log (storage/role_log.py)
+    sampler_role = with_role_log(SamplerActor, logs, "sampler", index_arg=2)  # arg 2: the sampler index
+    sampler_cls = ray.remote(max_restarts=cfg.sampler.max_restarts)(sampler_role)
+    backup = start_backup(cfg, store)
     args = (data, model_path, store, endpoint, key)
     topo = Topology(store, learner, backup, FaultTolerantActorManager([], 1), sampler_cls, args)
-    topo.retrieval = retrieval
+    topo.retrieval, topo.learners = retrieval, learners
     scale_samplers(topo, cfg, cfg.sampler.num_samplers)
     return topo
 
@@ -152,16 +157,20 @@ class Driver:
         self.step = int(ray.get(topo.learner.progress.remote())["version"])  # one step, one version
         self.target = self.step
         self.sampler_failures = 0
+        self.last_failure: SamplerFailure | None = None  # root cause and log file, for the final message
         self.sampler_metrics: dict[int, dict[str, float]] = {}  # latest snapshot per sampler
         self.retiring: set[int] = set()
         self.last_healthy = time.perf_counter()
         self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
         self.last_flush = time.perf_counter()
+        self.supervisor = Supervisor(cfg, topo)  # restarts store, backup, learner (launch/supervision.py)
+        self.stop_requested = lambda: False  # launch/signals.py: True once SIGINT/SIGTERM asked for a stop
 
     def run(self, steps: int) -> dict[str, Any]:
         t0, started_at, self.target = time.perf_counter(), self.step, steps
         limit = self.cfg.run.time_limit_s
-        while self.step < steps and not (limit and time.perf_counter() - t0 > limit):
+        over = lambda: bool(limit and time.perf_counter() - t0 > limit) or self.stop_requested()  # noqa: E731
+        while self.step < steps and not over():
             self._check_samplers_alive()
             self._check_control()
             self._tick_samplers()
@@ -177,17 +186,18 @@ class Driver:
             "elapsed_s": elapsed,
             "sampler_failures": self.sampler_failures,
             "sampler_restarts": self.topo.manager.total_num_restarts(),
+            **self.supervisor.summary(),
         }
 
-    def _check_samplers_alive(self, grace_s: float = 180.0) -> None:
-        """Fails the run, instead of waiting forever, when no sampler has been healthy for `grace_s`."""
-        now = time.perf_counter()
+    def _check_samplers_alive(self) -> None:
+        """Fails the run, instead of waiting forever, when no sampler has been healthy for
+        `sampler.unhealthy_grace_s`, naming the last failure's root cause and log file."""
+        now, grace_s = time.perf_counter(), self.cfg.sampler.unhealthy_grace_s
         if self.topo.manager.num_healthy_actors() > 0:
             self.last_healthy = now
         elif now - self.last_healthy > grace_s:
-            raise RuntimeError(
-                f"no healthy sampler for {grace_s:.0f} s (restarts exhausted?); see the Ray logs"
-            )
+            cause = self.last_failure or f"no failure reported; see {Path(self.cfg.run.run_dir) / 'logs'}"
+            raise RuntimeError(f"no healthy sampler for {grace_s:.0f} s (restarts exhausted): {cause}")
 
     def _check_control(self) -> None:
         control = read_control(self.cfg.run.run_dir)
@@ -202,6 +212,7 @@ class Driver:
         when a retiring one has none left)."""
         sync = self.cfg.admission_eta == 0
         kwargs = {"n": self.cfg.sampler.prompts_per_request, "min_version": self.step if sync else 0}
+        kwargs["wait_s"] = self.cfg.weights.sync_wait_s  # sync mode: the wait for `min_version`
         manager = self.topo.manager
         for i in manager.healthy_actor_ids():
             if i not in self.retiring and manager.num_outstanding_async_reqs(_tag(i)) == 0:
@@ -220,8 +231,12 @@ class Driver:
         for result in self.topo.manager.fetch_ready_async_reqs(timeout_seconds=0.05):
             if not result.ok:  # the actor died mid-call: its reservation goes back, Ray restarts it
                 self.sampler_failures += 1
-                ray.get(self.topo.store.release.remote(self.cfg.sampler.prompts_per_request))
-                log.warning("sampler %s failed: %s", result.actor_id, result.get())
+                self.supervisor.store_call(self, "release", self.cfg.sampler.prompts_per_request)
+                failure, explained = from_ray_error(result.get(), self.cfg)
+                log.warning("sampler %s failed: %s", result.actor_id, failure)
+                self.last_failure = failure
+                if explained and failure.is_config:  # a restart would fail the same way: stop, naming it
+                    raise failure
                 continue
             self.sampler_metrics[result.actor_id] = result.get()["metrics"]
         self.topo.manager.probe_unhealthy_actors(timeout_seconds=0.1, mark_healthy=True)
@@ -239,17 +254,29 @@ class Driver:
         ref = self.topo.refs.get("backup")
         if ref is None or ray.wait([ref], timeout=0)[0]:
             if ref is not None:
-                ray.get(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:  # the backup, or the store under it, was lost
+                    self.supervisor.backup_failed(self, e)
             self.topo.refs["backup"] = self.topo.backup.run_once.remote(64, 0.2)
 
     def _tick_learner(self) -> None:
-        ref = self.topo.refs.get("learner")
-        if ref is not None and not ray.wait([ref], timeout=0.05)[0]:
-            return
-        out = ray.get(ref) if ref is not None else None
+        try:
+            self._step_learner()
+        except (ray.exceptions.RayError, LearnerRankError) as e:  # re-synced or restarted from its checkpoint
+            self.supervisor.learner_failed(self, e)
+
+    def _step_learner(self) -> None:
+        refs, group, out = self.topo.refs.get("learner"), self.topo.learners, None
+        assert group is not None
+        if refs is not None:
+            done, out = group.poll(refs, timeout_s=0.05)  # a failed learner rank raises here, named
+            if not done:
+                return
         if out is not None:
             self.step = int(out["learner/version"])
             self.sink.log(out, self.step)
+            self.supervisor.trained(out)
             self.sink.histogram("store/version_lag", ray.get(self.topo.learner.pop_lags.remote()), self.step)
             if self.progress is not None:
                 self.progress.update(1)
@@ -257,7 +284,7 @@ class Driver:
                     reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
                 )
         more = self.step < self.target
-        self.topo.refs["learner"] = self.topo.learner.train_step.remote(0.05) if more else None
+        self.topo.refs["learner"] = group.call("train_step", 0.05) if more else None  # on every rank
 
     def flush(self) -> None:
         """Role metrics → MetricsLogger (sum of counters / mean of rates across samplers) → tensorboard."""
@@ -267,13 +294,15 @@ class Driver:
             for key, value in snapshot.items():
                 reduce = "mean" if key.endswith(("_per_s", "version", "ratio")) else "sum"
                 self.metrics.log_value(key, value, reduce=reduce, window=max(len(snapshots), 1))
-        backup = ray.get(self.topo.backup.get_metrics.remote())  # short wait at most: run_once is quick
-        store = ray.get(self.topo.store.stats.remote())
+        backup = self.supervisor.backup_metrics()  # short wait at most: run_once is quick
+        self.supervisor.check_store(self)  # a store restarted by Ray is counted and told the learner version
+        store = self.supervisor.store_call(self, "stats")
         values = {k: float(s.peek()) for k, s in self.metrics.reduce().items()}
         values.update(backup)
         values.update(_store_metrics(store))
         values["sampler/healthy"] = float(len(healthy))
         values["sampler/restarts"] = float(self.topo.manager.total_num_restarts())
+        values.update(self.supervisor.metrics())
         self.sink.log({k: v for k, v in values.items() if v == v}, self.step)
         self.sink.flush()
         self.last_flush = time.perf_counter()
@@ -295,11 +324,12 @@ def _store_metrics(stats: dict[str, Any]) -> dict[str, float]:
 def stop_topology(topo: Topology) -> None:
     """Stops every role (best effort for the dead ones), closes the store, and frees the actors."""
     topo.manager.foreach_actor("stop", healthy_only=True, timeout_seconds=20)
-    for handle, method in ((topo.learner, "stop"), (topo.store, "close")):
-        try:
-            ray.get(getattr(handle, method).remote(), timeout=30)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("%s did not stop cleanly: %s", method, e)
+    if topo.learners is not None:
+        topo.learners.stop()  # every rank, killed, and the placement group freed
+    try:
+        ray.get(topo.store.close.remote(), timeout=30)
+    except (ray.exceptions.RayError, TimeoutError) as e:
+        log.warning("close did not stop cleanly: %s", e)
     for handle in (topo.backup, topo.learner, topo.store):
         ray.kill(handle, no_restart=True)
     topo.manager.clear()  # kills the samplers

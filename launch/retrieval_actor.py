@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,24 @@ def start_retrieval_service(cfg: Config, data: dict[str, Any]) -> Any | None:
         raise ConfigError(f"the retrieval service over {corpus} did not start: {why}") from None
     data["env"]["retriever_url"], data["env"]["retriever_token"] = url, token
     return actor
+
+
+@contextmanager
+def local_retrieval(cfg: Config) -> Iterator[Config]:
+    """Work outside a run (evaluation before or after training, `treeopsd eval`) with `env.retriever =
+    service` and no URL: the same service over the same corpus, on loopback in this process, for as long
+    as the block runs; yields the config pointing at it (or `cfg` itself when no service is needed)."""
+    e = cfg.env
+    if e.retriever != "service" or e.retriever_url is not None:
+        yield cfg
+        return
+    corpus, index_dir = service_corpus(cfg)
+    opened = open_index(str(corpus), e.index, None if index_dir is None else str(index_dir), e.encoder)
+    server = RetrievalServer(opened.index, host="127.0.0.1", port=0, token=None).start()
+    try:
+        yield cfg.model_copy(update={"env": e.model_copy(update={"retriever_url": server.url})})
+    finally:
+        server.stop()
 
 
 def stop_retrieval_service(actor: Any | None) -> None:

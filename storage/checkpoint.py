@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from storage.durable import publish_directory, write_atomic
 
 FORMAT = 1
+DCP_FORMAT = 2  # sharded learner: torch DCP shards in safetensors (storage/dcp_checkpoint.py)
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -138,6 +139,11 @@ def _write_json(path: Path, data: Any) -> None:
 
 def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes on disk of one checkpoint directory (the `learner/checkpoint_mb` metric)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 # ---- save -----------------------------------------------------------------------------------------------
@@ -235,6 +241,11 @@ class Checkpoint:
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, rng: bool = True
     ) -> None:
         """Loads weights into `model` (in place), the optimizer state, and (rng=True) the global RNGs."""
+        if self.meta.get("format") == DCP_FORMAT:  # sharded (torch DCP) checkpoint of learner.ranks > 1
+            from storage.dcp_checkpoint import restore_dcp
+
+            restore_dcp(self, model, optimizer, rng)
+            return
         load_model_weights(model, self.path)
         if optimizer is not None:
             state = self.optimizer_state()
@@ -274,8 +285,8 @@ def verify_checkpoint(path: Path, hashes: bool = True) -> Checkpoint:
         meta = _from_json(json.loads((path / "meta.json").read_text()))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable meta.json ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT}")
+    if meta.get("format") not in (FORMAT, DCP_FORMAT):
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT} or {DCP_FORMAT}")
     for rel, info in meta["files"].items():
         f = path / rel
         if not f.is_file() or f.stat().st_size != info["size"]:

@@ -15,19 +15,36 @@ Ray runs one call at a time on the actor (max_concurrency=1), so the store sees 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
 from storage.replay_store import ReplayStore
+from storage.role_log import with_role_log
 from storage.tree_codec import decode_ipc, encode_ipc
 from system.tree import RolloutTree
 
 
-def start_store_actor(directory: str, name: str | None = None, **options: Any) -> Any:
-    """Starts `ReplayStore(directory, **options)` as a Ray actor (0 CPUs: it mostly waits on disk)."""
-    actor = ray.remote(num_cpus=0, max_concurrency=1)(ReplayStore)
+class StoreActor(ReplayStore):
+    """`ReplayStore` plus the pid of its process: the driver tells a restarted store by a new pid."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def start_store_actor(
+    directory: str, name: str | None = None, max_restarts: int = 0, run_dir: str | None = None, **options: Any
+) -> Any:
+    """Starts `ReplayStore(directory, **options)` as a Ray actor (0 CPUs: it mostly waits on disk).
+
+    With `max_restarts` Ray restarts a dead store in place: the constructor reopens the directory (torn files
+    quarantined, leases and reservations, which live in memory, handed back) and every client keeps its
+    handle; a call in flight at the death fails (launch/supervision.py). With `run_dir` the store logs to
+    RUN_DIR/logs/store-0.log (storage/role_log.py; a restart appends)."""
+    role = StoreActor if run_dir is None else with_role_log(StoreActor, run_dir, "store")
+    actor = ray.remote(num_cpus=0, max_concurrency=1, max_restarts=max_restarts)(role)
     if name is not None:
         actor = actor.options(name=name)
     return actor.remote(directory, **options)
@@ -53,8 +70,12 @@ class RemoteStore:
         return int(self._call("put_credited", encode_ipc(trees)))
 
     def take_batch(self, n: int) -> list[RolloutTree] | None:
-        buf = self._call("take_batch_ipc", n)
+        buf = self.take_batch_ipc(n)
         return None if buf is None else decode_ipc(buf, "store batch")
+
+    def take_batch_ipc(self, n: int) -> bytes | None:
+        """The batch as the store's IPC bytes, undecoded (the sharded learner forwards them to its ranks)."""
+        return self._call("take_batch_ipc", n)
 
     def admit(self, n: int) -> int:
         return int(self._call("admit", n))

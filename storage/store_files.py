@@ -37,7 +37,8 @@ REASON_SUFFIX = ".reason.json"
 MARKER = "treeopsd-store.json"
 FORMAT, LAYOUT_VERSION = "treeopsd.replay_store", 1
 SEGMENT_RE = re.compile(r"^(\d{12})\.(raw|credited)\.arrow$")
-BAD_SEGMENT = (pa.ArrowException, OSError, TreeCodecError, TreeValidationError)
+# UnicodeDecodeError: a damaged field name or metadata key, which pyarrow decodes as UTF-8 when asked for it
+BAD_SEGMENT = (pa.ArrowException, OSError, TreeCodecError, TreeValidationError, UnicodeDecodeError)
 
 
 class StoreError(RuntimeError):

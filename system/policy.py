@@ -51,6 +51,10 @@ class SampleRequest:
     `parent_key` names an earlier request's `cache_key`; the backend must check that the stored ids are a
     prefix of `context` (or crop to the common prefix) before reusing anything. Backends with automatic
     prefix caching (vLLM) may ignore both keys.
+
+    `stop_strings`: text stop sequences for stops that are no single token (`</tool_call>` in a vocabulary
+    without that token, Search-R1's `</search>`): the turn also ends at the first sampled token whose
+    decoded text completes one of them; that token is kept (finish "stop") and nothing is cut off it.
     """
 
     context: Sequence[int]
@@ -58,6 +62,10 @@ class SampleRequest:
     stop_token_ids: tuple[int, ...] = ()
     cache_key: str | None = None
     parent_key: str | None = None
+    stop_strings: tuple[str, ...] = ()
+    # The request's own draws (None: the backend's counter, mix_seed(seed, n)): set by the agent loop from
+    # the episode and turn, so a turn samples the same ids whatever else runs beside it or before it
+    seed: int | None = None
 
 
 @dataclass
@@ -83,3 +91,21 @@ class PolicyBackend(Protocol):
     def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+class TurnServer(Protocol):
+    """A backend as the asynchronous agent loop sees it (actors/async_loop.py): one turn per call, many
+    calls in flight. vLLM's backend is one natively (its async engine); any PolicyBackend becomes one
+    through `actors/turn_server.py:BatchedTurns`, which gathers the pending turns into `sample` batches."""
+
+    version: int
+
+    async def generate_turn(self, request: SampleRequest) -> SampleResult: ...
+
+    async def apply_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Loads a version in place; called only while no turn is being generated."""
+        ...
+
+    async def release(self, *keys: str) -> None:
+        """Frees what is kept for finished episodes (cache keys); a no-op where nothing is."""
+        ...

@@ -81,7 +81,7 @@ class WeightHeader:
 
     @property
     def num_chunks(self) -> int:
-        return math.ceil(self.total_bytes / self.chunk_size)
+        return -(-self.total_bytes // self.chunk_size)  # exact: a float quotient rounds past 2**53
 
     def chunk_range(self, index: int) -> tuple[int, int]:
         start = index * self.chunk_size
@@ -112,7 +112,7 @@ class WeightHeader:
             raise WeightMessageError(f"header checksum mismatch: crc32 {zlib.crc32(body)}, prefix says {crc}")
         try:
             doc = json.loads(body.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nested past the stack
             raise WeightMessageError(f"header is not UTF-8 JSON: {e}") from e
         return _header_from_doc(doc)
 
@@ -136,9 +136,9 @@ def _header_from_doc(doc: Any) -> WeightHeader:
         raise WeightMessageError(f"header: unsupported checksum {checksum!r} (expected 'crc32' or 'none')")
     version, total = _field(doc, "version", int), _field(doc, "total_bytes", int)
     chunk, crcs = _field(doc, "chunk_size", int), _field(doc, "chunk_crc32", list)
-    if version < 0 or total < 0 or chunk <= 0:
+    if not 0 <= version < 2**64 or total < 0 or chunk <= 0:  # the wire carries versions as u64 (META)
         raise WeightMessageError(f"header: version {version}, total {total}, chunk_size {chunk} invalid")
-    n = math.ceil(total / chunk)
+    n = -(-total // chunk)  # ceil, exact for any size
     if _field(doc, "num_chunks", int) != n or len(crcs) != (n if checksum == "crc32" else 0):
         raise WeightMessageError(f"header: num_chunks/chunk_crc32 disagree with ceil({total} / {chunk})")
     if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs):
@@ -310,12 +310,18 @@ class WeightAssembler:
     def __init__(self, header: WeightHeader | bytes | memoryview, buffer: Any = None) -> None:
         self.header = header if isinstance(header, WeightHeader) else WeightHeader.from_bytes(header)
         h = self.header
-        if buffer is None:
-            raw = np.empty(h.total_bytes + ALIGN, np.uint8)  # aligned start, so tensors are aligned too
-            self._buf = raw[-raw.ctypes.data % ALIGN :][: h.total_bytes]
-        else:
-            self._buf = _payload_view(h, buffer)
-        self._have, self._next = [False] * h.num_chunks, 0
+        try:  # the header's sizes are its sender's word: one that cannot be held is a bad message
+            if buffer is None:
+                raw = np.empty(h.total_bytes + ALIGN, np.uint8)  # aligned start, so tensors are aligned too
+                self._buf = raw[-raw.ctypes.data % ALIGN :][: h.total_bytes]
+            else:
+                self._buf = _payload_view(h, buffer)
+            self._have, self._next = [False] * h.num_chunks, 0
+        except (MemoryError, ValueError, OverflowError) as e:
+            if isinstance(e, WeightMessageError):
+                raise
+            msg = f"v{h.version}: cannot hold a payload of {h.total_bytes} bytes in {h.num_chunks} chunks"
+            raise WeightMessageError(f"{msg} ({type(e).__name__}: {e})") from None
 
     @property
     def missing(self) -> list[int]:

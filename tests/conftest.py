@@ -1,4 +1,11 @@
-"""Shared pytest setup: offline, single-threaded torch, markers for scarce resources."""
+"""Shared pytest setup: offline, single-threaded torch, markers for scarce resources, hypothesis profiles.
+
+Hypothesis profiles (select with HYPOTHESIS_PROFILE, default "ci"):
+  ci       derandomized: every run draws the same examples (a seed fixed per test), no example database;
+           a failure prints its reproduction blob (``@reproduce_failure``), no deadline (loaded machines)
+  explore  random examples each run (new seeds), the local example database, blobs printed: for hunting
+           new failures locally; a failure found here is pinned with the printed blob or ``@seed``
+"""
 
 import os
 
@@ -13,6 +20,18 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
 """Shared by the weight broadcast tests (test_weight_broadcast.py, test_weight_hashing.py): the weights and
-their check, publisher/subscriber fixtures, the payload memfds this process holds, and `idle_until`.
+their check, publisher/subscriber fixtures, the payload memfds this process holds, `idle_until`, and
+`handshake_failures` (a ZeroMQ socket's refused CURVE handshakes, as its monitor reports them).
 
 Fixtures are taken into a test module by assignment (``publisher = weight_fixtures.publisher``).
 """
@@ -12,6 +13,8 @@ import os
 import numpy as np
 import pytest
 import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from actors.weight_subscriber import WeightSubscriber
 from learner.weight_publisher import WeightPublisher
@@ -45,6 +48,29 @@ def idle_until(sub: WeightSubscriber, pred, timeout_s: float = 30.0) -> None:
         return pred()
 
     wait_until(step, timeout_s, interval_s=0)
+
+
+_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL}
+_FAILED.add(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+@contextlib.contextmanager
+def handshake_failures(sock: zmq.Socket):
+    """Yields a function counting the failed handshakes (a refused CURVE peer) of `sock` since entry, as its
+    monitor reports them: a refusal observed, not a quiet window waited out. Single-threaded like `sock`."""
+    monitor = sock.get_monitor_socket()
+    seen: list[int] = []
+
+    def count() -> int:
+        while monitor.poll(0):
+            seen.append(recv_monitor_message(monitor)["event"])
+        return sum(e in _FAILED for e in seen)
+
+    try:
+        yield count
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)  # before the subscriber's context is terminated
 
 
 def memfds() -> set[int]:

@@ -133,6 +133,11 @@ class ToolEnv:
     def tool_names(self) -> tuple[str, ...]:
         return tuple(self._tools)
 
+    @property
+    def plain_args(self) -> Mapping[str, str]:
+        """Tool name -> its one argument's name (for parsers of other action protocols)."""
+        return self._plain_args
+
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self._tools.values()]
 
@@ -161,8 +166,13 @@ class ToolEnv:
         return StepResult(None, True, 0.0, None, {"finish": FINISH_MAX_TURNS})
 
     def step(self, task: Task, history: Sequence[ToolCall], action_text: str) -> StepResult:
+        return self.step_parsed(task, history, parse_tool_call(action_text, self._plain_args))
+
+    def step_parsed(
+        self, task: Task, history: Sequence[ToolCall], parsed: ToolCall | ParseError
+    ) -> StepResult:
+        """`step` after parsing: an agent protocol (actors/protocols) parses the turn its own way."""
         turn = len(history) + 1
-        parsed = parse_tool_call(action_text, self._plain_args)
         if isinstance(parsed, ParseError):
             if not parsed.attempted:
                 info = {"finish": FINISH_MALFORMED, "turn": turn, "error": parsed.reason}

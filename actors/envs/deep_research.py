@@ -143,15 +143,23 @@ def load_queries(path: str | Path, decrypt: bool = False, canary: str | None = N
     tasks = []
     for rec in read_records(path):
         if decrypt:
-            key = canary if canary is not None else rec.req("canary", str)
-            data = {
-                k: v if k in _PLAIN_FIELDS else _decrypt_tree(v, key, k, rec) for k, v in rec.data.items()
-            }
-            rec = Rec(data, rec.path, rec.where)
+            rec = Rec(decrypt_record(rec, canary), rec.path, rec.where)
         meta = {f"{key[:-5]}_docids": _docids(rec, key) for key in _DOC_LISTS}
         query_id = str(rec.req("query_id", (str, int)))
         tasks.append(Task(query_id, rec.req("query", str), (rec.req("answer", str),), DATASET, meta))
     return tasks
+
+
+def decrypt_record(rec: Rec, canary: str | None = None) -> dict[str, Any]:
+    """One query record with every string but `query_id`/`canary` decrypted (keys kept), by `canary` or,
+    if None, the record's own `canary` field; errors name the file, the record and the field."""
+    key = canary if canary is not None else rec.req("canary", str)
+    return {k: v if k in _PLAIN_FIELDS else _decrypt_tree(v, key, k, rec) for k, v in rec.data.items()}
+
+
+def decrypt_queries(path: str | Path, canary: str | None = None) -> list[dict[str, Any]]:
+    """Every record of a queries file, decrypted (`treeopsd data decrypt-browsecomp`)."""
+    return [decrypt_record(rec, canary) for rec in read_records(path)]
 
 
 def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:

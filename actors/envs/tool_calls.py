@@ -74,12 +74,12 @@ def parse_tool_call(text: str, plain_args: Mapping[str, str] | None = None) -> T
     if found:
         kind = min(found, key=lambda k: found[k])
         if kind == "json":
-            return _parse_json_call(body, found[kind])
+            return parse_json_call(body, found[kind])
         return _parse_answer_tag(body, found[kind])
     return _parse_plain(body, plain_args)
 
 
-def _block(body: str, start: int, open_tag: str, close_tag: str) -> tuple[str, str]:
+def tag_block(body: str, start: int, open_tag: str, close_tag: str) -> tuple[str, str]:
     """Content of a tag block and its raw text; a missing close tag means "to the end of the turn"."""
     inner_start = start + len(open_tag)
     end = body.find(close_tag, inner_start)
@@ -89,16 +89,18 @@ def _block(body: str, start: int, open_tag: str, close_tag: str) -> tuple[str, s
 
 
 def _parse_answer_tag(body: str, start: int) -> ToolCall:
-    content, raw = _block(body, start, _ANSWER_OPEN, _ANSWER_CLOSE)
+    content, raw = tag_block(body, start, _ANSWER_OPEN, _ANSWER_CLOSE)
     return ToolCall("answer", {"answer": content}, raw)
 
 
-def _parse_json_call(body: str, start: int) -> ToolCall | ParseError:
-    content, raw = _block(body, start, _TOOL_OPEN, _TOOL_CLOSE)
+def parse_json_call(body: str, start: int) -> ToolCall | ParseError:
+    content, raw = tag_block(body, start, _TOOL_OPEN, _TOOL_CLOSE)
     try:
         obj = json.loads(content)
     except json.JSONDecodeError as exc:
         return ParseError(f"invalid JSON in <tool_call>: {exc.msg} at char {exc.pos}", True, raw)
+    except RecursionError:  # a sampled run of thousands of "[" or "{": a bad call, not a verifier error
+        return ParseError("invalid JSON in <tool_call>: nested too deeply", True, raw)
     if not isinstance(obj, dict):
         return ParseError(f"<tool_call> must hold a JSON object, got {type(obj).__name__}", True, raw)
     name = obj.get("name")

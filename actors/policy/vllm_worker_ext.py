@@ -1,15 +1,17 @@
-"""vLLM worker extension: in-place weight reload from a safetensors file.
+"""vLLM worker extension: in-place weight reload from the sampler's memfd, or from a safetensors file.
 
 vLLM mixes this class into its worker class when the engine is built with
-`worker_extension_cls="actors.policy.vllm_worker_ext.WeightLoaderExtension"`; the driver then calls
-`llm.collective_rpc("treeopsd_load_weights", args=(path,))` and every worker runs the method below.
+`worker_extension_cls="actors.policy.vllm_worker_ext.WeightLoaderExtension"`; the backend then calls
+`collective_rpc("treeopsd_load_shared", args=(source,))` (or `treeopsd_load_weights` with a file path, the
+fallback) and every worker runs the method below.
 
-Why a file path and not tensors: collective_rpc pickles its arguments through vLLM's message queue, and
-tensors do not survive that (`cannot pickle memoryview objects`); a safetensors file in tmpfs is cheap and
-pickle-free. Why `reload_weights` and not `model.load_weights`: on CPU, vLLM repacks linear weights after
-loading (the original parameters become size-0), so a second plain `load_weights` fails; `reload_weights`
-(vllm/model_executor/model_loader/reload/inplace.py) restores the checkpoint layout per layer, loads,
-re-runs the post-load processing and copies the result into the original storage.
+Why a memfd or a file and not tensors: collective_rpc ships its arguments with msgpack, and a tensor
+arrives as a plain list (older versions: `cannot pickle memoryview objects`); see
+actors/policy/vllm_weights.py. With tensor parallelism every worker maps the same payload and the model's
+own loader takes its shard. Why `reload_weights` and not `model.load_weights`: on CPU, vLLM repacks
+linear weights after loading (the original parameters become size-0), so a second plain `load_weights`
+fails; `reload_weights` (vllm/model_executor/model_loader/reload/inplace.py) restores the checkpoint
+layout per layer, loads, re-runs the post-load processing and copies the result into the original storage.
 
 vLLM asserts that no attribute of an extension clashes with the worker's, so every name here carries the
 `treeopsd_` prefix (a method named `update_weights` clashes). This module imports no vLLM code itself.
@@ -36,6 +38,34 @@ class WeightLoaderExtension:
         # resets the LoRA/encoder/multimodal caches; the KV prefix cache is reset by the driver.
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)
+
+    def treeopsd_load_shared(self: Any, source: dict[str, Any]) -> int:
+        """Load the tensors described by `source` (actors/policy/vllm_weights.py:SharedWeights.stage) from
+        the sampler's memfd, mapped copy-on-write (never written, so never copied); return how many."""
+        import mmap
+        import os
+
+        import torch
+
+        fd = os.open(source["path"], os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (source["dev"], source["ino"]) or st.st_size < source["size"]:
+                raise RuntimeError(f"treeopsd: {source['path']} is not the sampler's weight memfd")
+            buf = mmap.mmap(fd, source["size"], mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        tensors = []
+        for name, dtype, shape, offset, nbytes in source["tensors"]:
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else None
+            t = (
+                raw.view(getattr(torch, dtype))
+                if raw is not None
+                else torch.empty(0, dtype=getattr(torch, dtype))
+            )
+            tensors.append((name, t.view(shape)))
+        self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        return len(tensors)  # the views (and with them the mapping) go when this frame does
 
     def treeopsd_param_sum(self: Any, name_contains: str) -> float:
         """Sum of the model parameters whose name contains `name_contains` (a cheap test probe)."""

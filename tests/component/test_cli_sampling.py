@@ -56,8 +56,8 @@ def test_eval_json_on_tiny_model(tiny_model: str, capsys) -> None:
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["n"] == 4 and report["backend"] == "hf"
-    for key in ("success", "em", "f1"):
-        assert 0.0 <= report[key] <= 1.0
+    # a random-init model never reaches an answer in 8 tokens (its turns are truncated): every score is 0
+    assert (report["success"], report["em"], report["f1"]) == (0.0, 0.0, 0.0)
     kb = report["datasets"]["synthetic_kb"]
     assert kb["n"] == 4 and set(kb["per_hop"]) == {"2", "3", "4"}  # --limit keeps every hop count
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from launch.cli import main
+from launch.experiment_report import verdict
 
 
 def tiny_spec(tiny_model_dir: str) -> dict:
@@ -56,9 +58,11 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
         else:
             assert run["model"] == tiny_model_dir and run["curves"] == {}
     (claim,) = data["claims"]
-    assert claim["seeds"] == 2 and claim["verdict"] in {"reproduced", "reversed", "tie"} | {
-        f"within noise ({d})" for d in ("same direction", "opposite direction", "no mean difference")
-    }
+    # the claim is the per-seed paired difference of the runs' own held-out success
+    success = {(row, r["seed"]): r["eval"]["success"] for r in data["runs"].values() for row in r["rows"]}
+    diffs = [success[("TreeOPSD (4,2)", s)] - success[("ReAct", s)] for s in (0, 1)]
+    assert claim["seeds"] == 2 and claim["diff"][0] == pytest.approx(sum(diffs) / 2, abs=1e-12)
+    assert claim["verdict"] == verdict(diffs)  # its rules: test_verdict_rules below
     table = (out / "tiny.md").read_text()
     assert "| TreeOPSD (4,2) > ReAct | 2 |" in table
     assert "| main | TreeOPSD (4,2) | 8 | 2 |" in table and "![curves](tiny_curves.png)" in table
@@ -76,3 +80,17 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
         f"Runs executed by commit {first['commit']} from {first['date']} (6 runs,"
         in (out / "tiny.md").read_text()
     )
+
+
+def test_verdict_rules():
+    """Paired differences (better - worse) per seed -> the verdict (mean, se by hand)."""
+    assert verdict([0.0, 0.0]) == "tie"
+    assert verdict([0.5, 0.5, 0.5]) == "reproduced"  # mean 0.5, se 0
+    assert verdict([0.3, 0.2]) == "reproduced"  # mean 0.25, se 0.05: above 2 se
+    assert verdict([0.3, -0.1]) == "within noise (same direction)"  # mean 0.1, se 0.2
+    assert verdict([-0.5, -0.25]) == "reversed"  # mean -0.375, se 0.125: below -2 se
+    assert verdict([0.5, -0.5]) == "within noise (no mean difference)"
+    assert verdict([0.5, -0.25]) == "within noise (same direction)"  # mean 0.125, se 0.375
+    assert verdict([-0.5, 0.25]) == "within noise (opposite direction)"
+    assert verdict([0.25]) == "within noise (same direction)"  # one seed: no se, no verdict either way
+    assert verdict([]) == "no data"

@@ -121,13 +121,28 @@ def test_recompute_makes_the_first_minibatch_on_policy(tok):
 
 def test_too_many_nonfinite_behavior_logprobs_fail_loudly(tok):
     tree = make_trees(tok, n=1, seed=9)[0]
-    nodes = [
-        dataclasses.replace(n, behavior_logprobs=np.full_like(n.behavior_logprobs, np.nan))
-        for n in tree.nodes
-    ]
-    bad = RolloutTree.build(tree.tree_id, nodes, credit=tree.credit)
-    with pytest.raises(FloatingPointError):
-        Learner(build_tiny_model(tok), config()).step([bad])
+    trained = [k for k, n in enumerate(tree.nodes) if n.loss_mask.any()]  # the turns the learner counts
+    total = len(trained)
+    assert total >= 2, total
+
+    def with_nan(turns) -> RolloutTree:
+        nodes = [
+            dataclasses.replace(n, behavior_logprobs=np.full_like(n.behavior_logprobs, np.nan))
+            if k in turns
+            else n
+            for k, n in enumerate(tree.nodes)
+        ]
+        return RolloutTree.build(tree.tree_id, nodes, credit=tree.credit)
+
+    every = rf"^{total} of {total} turns have non-finite log-probs \(> 1%\)"
+    with pytest.raises(FloatingPointError, match=every):
+        Learner(build_tiny_model(tok), config()).step([with_nan(trained)])
+    one = with_nan(trained[:1])  # 1 of `total` turns: exactly at a limit of 1 / total (not over) ...
+    stats = Learner(build_tiny_model(tok), config(algo={"nonfinite_turn_limit": 1 / total})).step([one])
+    assert np.isfinite(stats["learner/loss"])  # ... it is dropped from the loss and the step goes on
+    below = config(algo={"nonfinite_turn_limit": 0.999 / total})  # ... just below it, the step fails
+    with pytest.raises(FloatingPointError, match=rf"^1 of {total} turns have non-finite log-probs"):
+        Learner(build_tiny_model(tok), below).step([one])
 
 
 def test_named_weights_are_detached_cpu_copies(tok):

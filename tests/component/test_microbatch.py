@@ -99,5 +99,7 @@ def test_bf16_steps_track_fp32(setup):
         runs[precision] = [learner.step(trees)["learner/loss"] for _ in range(2)]
         assert all(p.dtype == torch.float32 for p in learner.model.parameters())
         assert all(s["exp_avg"].dtype == torch.float32 for s in learner.optimizer.state.values())
+        # weights.dtype = auto: the broadcast follows the training precision
+        assert {t.dtype for t in learner.named_weights().values()} == {getattr(torch, precision)}
     for f32, b16 in zip(runs["float32"], runs["bfloat16"], strict=True):
         assert b16 == pytest.approx(f32, rel=0.02, abs=1e-3)

@@ -106,6 +106,7 @@ def test_random_sigkills_lose_nothing_acknowledged_and_add_nothing_unstarted(tmp
     for _ in range(RANDOM_KILLS):
         child = _writer(ledger.d, ledger.next_id)
         head = child.stdout.readline()  # the first "begin": aim the kill at commits, not at start-up
+        # a random moment to kill at (not a wait for anything): at once, inside a commit, or a few commits on
         time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.003), rng.uniform(0.0, 0.03)]))
         child.kill()
         landed += len(ledger.check(child, head)[0])

@@ -28,7 +28,7 @@ def tree_invariants(tree, chat):
     """Checks the acceptance invariants on one tree and returns (num_initial, num_branch_leaves)."""
     children = tree.children
     for n in tree.nodes[1:]:
-        assert n.policy_version >= 0 and len(n.tokens) > 0
+        assert n.policy_version == 0 and len(n.tokens) > 0  # no weight sink: the backend's first version
         assert n.loss_mask.all()  # turn tokens are all sampled tokens (mask_truncated_turn off)
         assert np.isfinite(n.behavior_logprobs).all()
         if children[n.node_id]:  # a continued turn ends with the stop token and carries its observation

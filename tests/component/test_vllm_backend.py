@@ -84,7 +84,7 @@ def test_throughput_batch_16x64(vllm_backend: Any, report: Callable[[str], None]
 
 def test_prefix_cache_serves_branch_prefixes(vllm_backend: Any, report: Callable[[str], None]) -> None:
     rng = random.Random(3)
-    block = vllm_backend._llm.llm_engine.vllm_config.cache_config.block_size
+    block = vllm_backend.block_size
     prefix = _random_ids(rng, 400)
     [turn] = vllm_backend.sample([SampleRequest(context=prefix, max_new_tokens=32)])
     assert turn.cached_prefix_tokens == 0  # fresh, unrelated prompt: nothing to reuse
@@ -193,7 +193,7 @@ def test_logprobs_are_the_sampling_distribution(vllm_backend: Any) -> None:
         vllm_backend.sampling = saved
     full = ctx + res.token_ids
     params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)
-    [out] = vllm_backend._llm.generate([TokensPrompt(prompt_token_ids=full)], params, use_tqdm=False)
+    [out] = vllm_backend.generate_raw([(TokensPrompt(prompt_token_ids=full), params)])
     for i, (tok, lp) in enumerate(zip(res.token_ids, res.logprobs, strict=True)):
         step = out.prompt_logprobs[len(ctx) + i]  # raw top-k (+ the actual token) at this position
         top = sorted((v.logprob for v in step.values()), reverse=True)[:k]
@@ -306,3 +306,62 @@ def test_learner_scores_vllm_trees_under_their_sampling_distribution(
     k1, k3 = stats["learner/mismatch_kl"], stats["learner/mismatch_kl_k3"]
     report(f"vLLM T={temperature} top-p={top_p} top-k={top_k}: learner mismatch k1 {k1:.2e}, k3 {k3:.2e}")
     assert abs(k1) < 1e-3 and abs(k3) < 1e-3
+
+
+def test_a_version_mid_round_is_staged_then_loaded_between_turns(
+    vllm_backend: Any, tiny_model_dir: Path
+) -> None:
+    """The asynchronous loop on the engine (actors/weight_gate.py): a version published while turns run is
+    staged in the memfd ahead (`prepare_weights`), loaded when no turn is being generated, and stamped on
+    the turns started after it. The version holds the same weights, so the other tests are unaffected."""
+    import threading
+
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from actors.agent_loop import LoopLimits
+    from actors.chat import ChatFormat
+    from actors.envs.synthetic_kb import KBConfig, SyntheticKBEnv
+    from actors.tree_sampler import TreeSampler, TreeShape
+
+    original, v0, third = (
+        load_file(str(tiny_model_dir / "model.safetensors")),
+        vllm_backend.version,
+        threading.Event(),
+    )
+
+    class Counting:  # the backend, telling when its third turn is asked for
+        def __init__(self) -> None:
+            self.turns = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(vllm_backend, name)
+
+        async def generate_turn(self, request: SampleRequest) -> Any:
+            self.turns += 1
+            if self.turns == 3:
+                third.set()
+            return await vllm_backend.generate_turn(request)
+
+    class Sink:  # publishes version v0 + 1 once the third turn has started
+        delivered = False
+
+        def poll(self, timeout_ms: int = 0) -> Any:
+            if self.delivered or not third.wait(min(timeout_ms / 1000, 30.0)):
+                return None
+            self.delivered = True
+            return v0 + 1, original
+
+    env = SyntheticKBEnv(config=KBConfig(n_persons=40, n_companies=10, n_cities=12, n_countries=5))
+    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    limits = LoopLimits(max_turns=3, max_turn_tokens=12, token_budget=400)
+    shape = TreeShape(M=4, N=0)
+    sampler = TreeSampler(Counting(), env, chat, shape, limits, weights=Sink(), max_inflight=2)  # type: ignore[arg-type]
+    trees = sampler.sample_trees(env.tasks("train", n=4), np.random.default_rng(0))
+    stamps = [n.policy_version for t in trees for n in t.nodes[1:]]
+    assert vllm_backend.version == v0 + 1 and sampler.stats["weights/applied"] == 1.0
+    assert vllm_backend.weight_transfer == "shared"  # staged in the memfd, no file
+    assert set(stamps) == {v0, v0 + 1}  # turns before the load keep v0, the ones after carry v0 + 1
+    assert stamps.count(v0) >= 3  # the first three turns started before the version was published
+    assert sampler.stats["sampler/paused_for_weights_s"] >= sampler.stats["weights/apply_s"] > 0

@@ -4,14 +4,15 @@ SIGKILL the learner (resume continues with no batch trained twice and none skipp
 
 import os
 import signal
-import time
 
 import pytest
 
 from configs.schema import load_config
 from launch.ray_run import Driver, start_topology, stop_topology
+from launch.restart_policy import RoleFailed
 from storage.metrics import MemorySink, TensorboardSink, read_scalars
 from storage.store_verify import verify_store
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -49,13 +50,13 @@ def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path
         os.kill(pid, signal.SIGKILL)  # mid-run: it may be inside sample_and_push
         summary = driver.run(4)
         assert summary["steps"] == 4  # training went on while the sampler was down
-        new_pids, deadline = {}, time.time() + 300  # a restart loads torch and the model: slow when loaded
-        while time.time() < deadline:  # Ray restarts it (max_restarts); wait until it answers again
+
+        def restarted() -> dict | None:  # Ray restarts it (max_restarts); wait until it answers again
             topo.manager.probe_unhealthy_actors(timeout_seconds=5, mark_healthy=True)
-            new_pids = pids(topo)
-            if victim in new_pids and topo.manager.num_healthy_actors() == 2:
-                break
-            time.sleep(1)
+            now = pids(topo)
+            return now if victim in now and topo.manager.num_healthy_actors() == 2 else None
+
+        new_pids = wait_until(restarted, timeout_s=300, interval_s=1)  # a restart loads torch and the model
         assert new_pids.get(victim) not in (None, pid)  # the same actor, answering from a new process
         versions = [r.get() for r in topo.manager.foreach_actor("version", timeout_seconds=60) if r.ok]
         assert max(versions) >= 2  # samplers applied broadcast weights
@@ -72,14 +73,14 @@ def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path
 
 def test_learner_kill_then_resume_trains_every_batch_once(ray_cluster, tmp_path, tiny_model_dir):
     ray = ray_cluster
-    cfg = small_cfg(tmp_path)
+    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0})  # no restart in the run: --resume does it
     topo = start_topology(cfg, tiny_model_dir)
     sink = MemorySink()
     try:
         driver = Driver(cfg, topo, sink)
         driver.run(3)
         os.kill(ray.get(topo.learner.pid.remote()), signal.SIGKILL)
-        with pytest.raises(ray.exceptions.RayActorError):
+        with pytest.raises(RoleFailed, match="the learner failed"):
             driver.run(6)
     finally:
         stop_topology(topo)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from configs.schema import ConfigError, load_config
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SH = ROOT / "launch" / "cluster.sh"
@@ -161,31 +162,34 @@ def refresh_auth() -> None:
 
 
 def wait_for_gcs(head: Node, gcs_port: int, timeout_s: float = 60.0) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        head.check_alive()
-        try:
+    def up() -> bool:
+        head.check_alive()  # a head that died fails at once, with its log
+        with contextlib.suppress(OSError):
             socket.create_connection((NODE_IP, gcs_port), timeout=0.5).close()
-            return
-        except OSError:
-            if time.time() > deadline:
-                raise TimeoutError(f"head GCS not up in {timeout_s} s:\n{log_tail(head.log)}") from None
-            time.sleep(0.2)
+            return True
+        return False
+
+    try:
+        wait_until(up, timeout_s, interval_s=0.2)
+    except AssertionError:
+        raise TimeoutError(f"head GCS not up in {timeout_s} s:\n{log_tail(head.log)}") from None
 
 
 def wait_for_pools(nodes: list[Node], want: set[str], timeout_s: float = 60.0) -> None:
     import ray
 
-    deadline = time.time() + timeout_s
-    while True:
+    def up() -> bool:
         pools = {k for n in ray.nodes() if n["Alive"] for k in n["Resources"] if k.startswith("pool_")}
         if want <= pools:
-            return
+            return True
         for node in nodes:
             node.check_alive()
-        if time.time() > deadline:
-            raise TimeoutError(f"worker node not up in {timeout_s} s:\n{log_tail(nodes[-1].log)}")
-        time.sleep(0.2)
+        return False
+
+    try:
+        wait_until(up, timeout_s, interval_s=0.2)
+    except AssertionError:
+        raise TimeoutError(f"worker node not up in {timeout_s} s:\n{log_tail(nodes[-1].log)}") from None
 
 
 @pytest.fixture(scope="module")

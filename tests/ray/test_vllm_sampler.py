@@ -20,7 +20,10 @@ pytestmark = [
 
 def test_vllm_sampler_applies_weights_in_place(ray_cluster, tmp_path, tiny_model_dir):
     ray = ray_cluster
-    cfg = small_cfg(tmp_path, **{"sampler.backend": "vllm", "sampler.num_samplers": 1})
+    # 4 admitted prompts x M = 4 trajectories: 16 episodes in flight at once (the async loop)
+    extra = {"sampler.backend": "vllm", "sampler.num_samplers": 1, "algo.M": 4}
+    extra["sampler.prompts_per_request"] = 4
+    cfg = small_cfg(tmp_path, **extra)
     topo = start_topology(cfg, tiny_model_dir)
     try:
         driver = Driver(cfg, topo, MemorySink())
@@ -30,6 +33,7 @@ def test_vllm_sampler_applies_weights_in_place(ray_cluster, tmp_path, tiny_model
         metrics = res.get()
         assert metrics["sampler/version"] >= 2  # versions 1.. arrived while the same engine kept running
         assert metrics["weights/apply_s"] > 0  # a load happened (its time goes to the metrics)
+        assert metrics["sampler/inflight_peak"] >= 16
         assert topo.manager.total_num_restarts() == 0
         assert ray.get(topo.store.stats.remote())["trees"]["consumed"] == 6
     finally:

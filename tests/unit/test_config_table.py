@@ -38,6 +38,9 @@ BAD = [
     ("run.time_limit_s=-1", rf"^run\.time_limit_s = -1\.0 is invalid: {NUM0}"),
     ("run.eval_tasks=0", rf"^run\.eval_tasks = 0 is invalid: {INT1}"),
     ("run.seed=-1", r"^run\.seed = -1 is invalid: expected an integer >= 0"),
+    ("run.max_learner_restarts=-1", r"^run\.max_learner_restarts = -1 is invalid: expected an integer >= 0"),
+    ("run.max_store_restarts=1.5", r"^run\.max_store_restarts = 1\.5 is invalid: expected an integer >= 0"),
+    ("run.max_backup_restarts='x'", r"^run\.max_backup_restarts = 'x' is invalid: expected an integer >= 0"),
     ("run.mode=parallel", r"^run\.mode = 'parallel' is invalid: allowed values are 'async', 'sync'"),
     ("run.run_dir=''", r"^run\.run_dir = '' is invalid: expected a non-empty string"),
     ("run.name=7", r"^run\.name = 7 is invalid: expected a non-empty string"),
@@ -91,6 +94,9 @@ BAD = [
     ("env.eval_hops=[0, 2]", r"^env\.eval_hops = \[0, 2\] is invalid: expected a list of 2 integers"),
     ("env.train_hops=2", r"^env\.train_hops = 2 is invalid: expected a list of 2 integers"),
     ("env.name=wiki", r"^env\.name = 'wiki' is invalid: allowed values are 'synthetic_kb'"),
+    ("env.protocol=hermes", r"^env\.protocol = 'hermes' is invalid: allowed values are 'plain', 'qwen3'"),
+    ("env.enable_thinking=1", r"^env\.enable_thinking = 1 is invalid: expected true or false"),
+    ("env.require_search=maybe", r"^env\.require_search = 'maybe' is invalid: expected true or false"),
     # sampler
     ("sampler.prompts_per_request=0", rf"^sampler\.prompts_per_request = 0 is invalid: {INT1}"),
     ("sampler.max_restarts=-1", r"^sampler\.max_restarts = -1 is invalid: expected an integer >= 0"),
@@ -117,6 +123,13 @@ BAD = [
         "learner.tree_attention=flex",
         r"^learner\.tree_attention = 'flex' is invalid: expected 'auto' or 'chunked' without",
     ),
+    ("learner.ranks=0", rf"^learner\.ranks = 0 is invalid: {INT1}"),
+    ("learner.ranks=1.5", rf"^learner\.ranks = 1\.5 is invalid: {INT1}"),
+    (
+        "learner.collective_timeout_s=0",
+        r"^learner\.collective_timeout_s = 0\.0 is invalid: expected a number > 0",
+    ),
+    ("weights.dtype=fp8", r"^weights\.dtype = 'fp8' is invalid: allowed values are 'auto', 'float32', 'bfloat16'"),
     ("sampler.top_k=-1", r"^sampler\.top_k = -1 is invalid: expected an integer >= 0"),
     # store
     ("store.eta=1.5", r"^store\.eta = 1\.5 is invalid: expected an integer >= 0"),

@@ -217,17 +217,17 @@ def test_z_total_overrides_normalizer():
     loss, stats = treeopsd_loss(logp, behavior, turn_ids, q, z_total=12.0)
     assert loss.item() == pytest.approx(0.008009277496203782 * 3 / 12, abs=1e-15)
     assert stats["kl_to_target"] == pytest.approx(0.008009277496203782)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^z_total must be > 0 when there are loss tokens, got 0\.0$"):
         treeopsd_loss(logp, behavior, turn_ids, q, z_total=0.0)
 
 
 def test_invalid_inputs_raise():
     logp, behavior, turn_ids, q = two_turn_example()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^q must lie in \[0, 1\] for every turn with loss tokens$"):
         treeopsd_loss(logp, behavior, turn_ids, t([0.6, 1.2]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^turn_ids reach 2 but q has only 2 turns$"):
         treeopsd_loss(logp, behavior, torch.tensor([0, 0, 2]), q)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^logp \(3,\), behavior_logp \(2,\) and turn_ids \(3,\) must all"):
         treeopsd_loss(logp, behavior[:2], turn_ids, q)
 
 
@@ -369,7 +369,7 @@ def test_treepo_advantages_flat_and_constant():
     # Equal rewards: every group mean equals R, so Â ≡ 0.
     _, adv = treepo_advantages([-1, 0, 0, -1, 3], [0.5, 0.5, 0.5])
     np.testing.assert_allclose(adv, 0.0, atol=1e-15)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^leaf_rewards has 1 entries; expected 2 leaves or 3 nodes$"):
         treepo_advantages([-1, 0, 0], [1.0])
 
 

@@ -192,7 +192,7 @@ def test_search_topk_larger_than_corpus_and_order(index: Bm25Index) -> None:
 def test_search_empty_stopword_and_unknown_queries(index: Bm25Index) -> None:
     assert index.search(["", "the of is", "zzzqqq"], topk=2) == [[], [], []]
     assert index.search([], topk=2) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^topk must be >= 1, got 0$"):
         index.search(["x"], topk=0)
 
 

@@ -1,0 +1,118 @@
+"""`bench weights`'s vLLM figures (benchmarks/bench_weights.py runs them in the same run): one vLLM engine
+(a Qwen2-shaped model saved here, its bfloat16 state dict at least 256 MB; `--quick`: 32 MB) and one bf16
+payload with the checkpoint's names.
+
+- `inplace_s_vllm`: `VLLMBackend.load_weights` over the in-place path (actors/policy/vllm_weights.py: the
+  tensors staged once in the sampler's memfd, each worker maps it and feeds the model's own weight loader
+  over `collective_rpc`);
+- `file_s_vllm`: the same payload over the old path: a safetensors file written to /dev/shm, each worker
+  reads and loads it (`weight_transfer="file"`), the file removed;
+- `inplace_over_file` = file_s_vllm / inplace_s_vllm (goal >= 1.5);
+- `apply_s_vllm`: from `WeightPublisher.publish` until the version is loaded into the engine: a
+  `WeightSubscriber` in this process (same host: shared memory) polls it and hands it to `load_weights`;
+  `apply_received_s_vllm` is its first part (publish until the subscriber holds the version).
+
+Both paths end with the prefix-cache reset a load needs. The two load paths take turns round by round and
+the best of `reps` rounds after a warm-up counts (the machine is shared). The engine runs in float32 on CPU
+(vLLM's loader casts the bf16 payload); `enforce_eager` skips torch.compile, which a weight load never uses.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HIDDEN, FFN, HEADS, KV_HEADS = 512, 1536, 8, 2
+
+
+def _config(target_bytes: int) -> dict[str, Any]:
+    """Qwen2 config kwargs whose bfloat16 state dict is about `target_bytes`."""
+    vocab = 8192
+    per_layer = 2 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV_HEADS // HEADS + 3 * HIDDEN * FFN)
+    layers = max(1, round((target_bytes - 2 * 2 * vocab * HIDDEN) / per_layer))
+    return dict(
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )  # fmt: skip
+
+
+def _checkpoint(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Saves a bf16 model to `folder`; returns its state dict (the payload: bf16, checkpoint names)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def _load_once(backend: Any, payload: dict[str, Any], version: int, transfer: str) -> float:
+    backend.weight_transfer = transfer
+    t0 = time.perf_counter()
+    backend.load_weights(payload, version=version)
+    return time.perf_counter() - t0
+
+
+def _publish_to_engine(backend: Any, payload: dict[str, Any], reps: int) -> tuple[float, float]:
+    """Best of `reps` (after a warm-up) of publish → subscriber poll → load into the engine, and of its
+    first part (publish until the subscriber holds the version)."""
+    from actors.weight_subscriber import WeightSubscriber
+    from learner.weight_publisher import WeightPublisher
+
+    pub = WeightPublisher(keep=1)
+    sub = WeightSubscriber(pub.endpoint)
+    best = received = float("inf")
+    try:
+        backend.weight_transfer = "shared"
+        for version in range(1000, 1001 + reps):
+            while not pub.stats()["spare_ready"] or pub.stats()["hashing"]:
+                time.sleep(0.01)  # steady state: training runs between publishes
+            t0 = time.perf_counter()
+            pub.publish(payload, version)
+            got = None
+            while got is None or got[0] < version:
+                got = sub.poll(timeout_ms=100)
+            t1 = time.perf_counter()
+            backend.load_weights(got[1], version=got[0])
+            if version > 1000:
+                best, received = min(best, time.perf_counter() - t0), min(received, t1 - t0)
+            del got
+    finally:
+        sub.close()
+        pub.close()
+    return best, received
+
+
+def run_vllm(quick: bool, reps: int) -> dict[str, Any]:
+    from actors.policy.vllm_backend import VLLMBackend
+
+    cfg = _config((32 if quick else 264) << 20)
+    with tempfile.TemporaryDirectory(prefix="treeopsd-bench-weights-") as tmp:
+        payload = _checkpoint(Path(tmp) / "model", cfg)
+        nbytes = sum(t.nbytes for t in payload.values())
+        t0 = time.perf_counter()
+        extra = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256}
+        backend = VLLMBackend(str(Path(tmp) / "model"), seed=0, extra_engine_args=extra)
+        start_s = time.perf_counter() - t0
+        try:
+            best = {"shared": float("inf"), "file": float("inf")}
+            for version in range(1, reps + 2):
+                for transfer in ("shared", "file"):
+                    dt = _load_once(backend, payload, 2 * version + (transfer == "file"), transfer)
+                    if version > 1:  # the first round is the warm-up
+                        best[transfer] = min(best[transfer], dt)
+            apply_s, received_s = _publish_to_engine(backend, payload, reps)
+        finally:
+            backend.close()
+    r = lambda x: round(x, 4)  # noqa: E731
+    return {
+        "vllm_payload_mb": r(nbytes / 2**20), "vllm_payload_dtype": "bfloat16",
+        "vllm_engine_dtype": "float32",
+        "vllm_engine_start_s": round(start_s, 1), "inplace_s_vllm": r(best["shared"]),
+        "file_s_vllm": r(best["file"]), "inplace_over_file": r(best["file"] / best["shared"]),
+        "apply_s_vllm": r(apply_s), "apply_received_s_vllm": r(received_s),
+    }  # fmt: skip

@@ -1,0 +1,96 @@
+"""The supervisor's decisions (launch/restart_policy.py): budgets, backoff, what to restart, the batch audit,
+the resume command and the memory slope of the soak."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from launch.restart_policy import (
+    RestartBudget,
+    RoleFailed,
+    backoff_s,
+    batch_audit,
+    failure_kind,
+    learner_action,
+    resume_command,
+    rss_slope_mb_per_min,
+    trained_batches,
+)
+
+
+def test_budget_counts_restarts_and_names_the_role_and_last_error_when_used_up():
+    budget = RestartBudget("learner", limit=2)
+    assert budget.record("its worker process exited") == 1
+    assert budget.record("OOM") == 2
+    with pytest.raises(RoleFailed) as e:
+        budget.record("segfault")
+    assert str(e.value) == (
+        "the learner failed and its restarts are used up (2 of run.max_learner_restarts = 2); "
+        "last error: segfault"
+    )
+    assert e.value.role == "learner" and budget.used == 2  # the refused one is not counted
+
+
+def test_a_zero_budget_refuses_the_first_restart():
+    with pytest.raises(RoleFailed, match=r"store failed .*0 of run\.max_store_restarts = 0"):
+        RestartBudget("store", limit=0).record("gone")
+
+
+def test_backoff_doubles_from_one_second_up_to_the_cap():
+    assert [backoff_s(n) for n in range(1, 8)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert backoff_s(3, base_s=0.5, cap_s=10) == 2.0  # 0.5 · 2²
+    with pytest.raises(ValueError):
+        backoff_s(0)
+
+
+@pytest.mark.parametrize(
+    "task_error, cause_is_actor, kind",
+    [(False, False, "died"), (True, True, "store"), (True, False, "raised"), (False, True, "died")],
+)
+def test_failure_kind(task_error, cause_is_actor, kind):
+    assert failure_kind(task_error, cause_is_actor) == kind
+
+
+@pytest.mark.parametrize(
+    "kind, ranks, action",
+    [("store", 1, "reconcile"), ("store", 2, "restart"), ("died", 1, "restart"), ("raised", 1, "restart")],
+)
+def test_learner_action_keeps_only_a_single_learner_whose_store_was_lost(kind, ranks, action):
+    assert learner_action(kind, ranks) == action
+
+
+def test_a_rewind_undoes_the_batches_after_the_checkpoint():
+    # trained 0,1,2; the learner restarts from the step-2 checkpoint (holds batches 0,1); 2,3 trained again
+    events = [("trained", 0), ("trained", 1), ("trained", 2), ("rewind", 2), ("trained", 2), ("trained", 3)]
+    assert trained_batches(events) == [0, 1, 2, 3]
+    assert batch_audit(events, steps=4) == {"trained": 4, "twice": [], "skipped": [], "unlogged": []}
+
+
+def test_the_audit_finds_batches_twice_skipped_and_unlogged():
+    events = [("trained", 0), ("trained", 0), ("unlogged", 2), ("trained", 4)]
+    assert batch_audit(events, steps=5) == {"trained": 4, "twice": [0], "skipped": [1, 3], "unlogged": [2]}
+    with pytest.raises(ValueError, match="unknown batch event"):
+        trained_batches([("trained", 0), ("lost", 1)])
+
+
+def test_resume_command_repeats_the_arguments_with_resume():
+    argv = ["train", "--steps", "300", "--run-dir", "runs/x y", "learner.lr=1e-4"]
+    cmd = resume_command(argv, "runs/x y")
+    assert shlex.split(cmd) == ["treeopsd", "train", "--resume", "--steps", "300", "--run-dir", "runs/x y",
+                                "learner.lr=1e-4"]  # fmt: skip
+    # no --run-dir given (the default from the config): it is added, and --resume is not repeated
+    assert resume_command(["--resume", "--steps", "3"], "runs/default") == (
+        "treeopsd train --resume --steps 3 --run-dir runs/default"
+    )
+    assert "--run-dir" not in resume_command(["run.run_dir=/tmp/r"], "/tmp/r")
+
+
+def test_rss_slope_is_the_least_squares_slope_after_warm_up():
+    # 10 MB at t=0 (warm-up, ignored), then 100 MB + 1 MB per 30 s: a slope of 2 MB/min
+    samples = [(0.0, 10e6)] + [(60.0 + 30 * i, 100e6 + 1e6 * i) for i in range(5)]
+    assert rss_slope_mb_per_min(samples, warmup_s=60) == pytest.approx(2.0)
+    flat = [(float(t), 5e6) for t in range(60, 200, 10)]
+    assert rss_slope_mb_per_min(flat, warmup_s=60) == 0.0
+    assert rss_slope_mb_per_min(samples[:3], warmup_s=60) is None  # 2 points past the warm-up
