@@ -13,6 +13,7 @@ import uuid
 from types import SimpleNamespace
 from typing import Any
 
+import ray
 from ray.rllib.utils.actor_manager import FaultAwareApply
 
 from actors.sampler_setup import sampler_parts
@@ -38,6 +39,10 @@ class SamplerActor(TreeSampler, FaultAwareApply):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def actor_id(self) -> str:
+        """This actor's id (hex), for Ray's public state API (launch/cmd_soak.py counts restarts by it)."""
+        return str(ray.get_runtime_context().get_actor_id())
 
     def get_metrics(self) -> dict[str, float]:
         stats = super().get_metrics()

@@ -70,7 +70,7 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         "packed_speedup_of_limit",
         ">=",
         0.9,
-        ("packed_speedup", "packed_speedup_limit"),
+        ("packed_speedup", "packed_speedup_limit", "packed_speedup_of_limit_h128"),
         "packed speedup over its limit tokens_paths / tokens_packed",
     ),
     (

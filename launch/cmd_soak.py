@@ -85,7 +85,8 @@ def sampler_restarts(topo: Any) -> int:
     sees only the restarts of samplers it had marked unhealthy (one killed between two calls is not)."""
     from launch.supervision import gcs_restarts
 
-    counts = [gcs_restarts(h) for h in topo.manager._actors.values()]  # no public accessor in RLlib
+    ids = [r.get() for r in topo.manager.foreach_actor("actor_id", timeout_seconds=30) if r.ok]
+    counts = [gcs_restarts(i) for i in ids]
     seen = topo.manager.total_num_restarts()
     return seen if None in counts else max(seen, sum(c for c in counts if c is not None))
 

@@ -56,13 +56,15 @@ def brief(e: BaseException) -> str:
     return f"{type(cause).__name__}: {text}"[:300]
 
 
-def gcs_restarts(handle: Any) -> int | None:
-    """How often Ray restarted an actor, from the GCS actor table (None where this Ray does not say)."""
+def gcs_restarts(actor_id: str) -> int | None:
+    """How often Ray restarted the actor `actor_id` (hex), from Ray's public state API; None where it cannot
+    say (no dashboard, an old Ray): the driver then counts only the restarts it saw itself."""
     try:
-        from ray._private import state
+        from ray.util.state import get_actor
 
-        return int(state.actors(actor_id=handle._actor_id.hex())["NumRestarts"])
-    except Exception:  # a private API: its absence only costs the count of restarts the driver never saw
+        actor = get_actor(actor_id, timeout=10)
+        return None if actor is None else int(actor.num_restarts)
+    except Exception:  # any state-API failure only costs the count of restarts the driver never saw
         return None
 
 
@@ -148,7 +150,8 @@ class Supervisor:
         if pid == self.store_pid:
             return
         self.store_pid = pid
-        n = max(1, (gcs_restarts(self.topo.store) or 0) - self.restarts["store"])  # killed while restarting
+        store_id = ray.get(self.topo.store.actor_id.remote())
+        n = max(1, (gcs_restarts(store_id) or 0) - self.restarts["store"])  # killed while restarting
         self._restarted("store", self.last_store_error or "its process exited", n)
         self.last_store_error = ""
         ray.get(self.topo.store.set_learner_version.remote(driver.step))

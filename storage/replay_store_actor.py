@@ -33,6 +33,10 @@ class StoreActor(ReplayStore):
     def pid(self) -> int:
         return os.getpid()
 
+    def actor_id(self) -> str:
+        """This actor's id (hex), for Ray's public state API (launch/supervision.py:gcs_restarts)."""
+        return str(ray.get_runtime_context().get_actor_id())
+
 
 def start_store_actor(
     directory: str, name: str | None = None, max_restarts: int = 0, run_dir: str | None = None, **options: Any

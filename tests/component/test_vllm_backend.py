@@ -302,8 +302,13 @@ def test_learner_scores_vllm_trees_under_their_sampling_distribution(
     finally:
         vllm_backend.sampling = saved
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32")
-    stats = Learner(model, cfg).step([credit_rollout_tree(t, cfg.algo) for t in trees])
+    learner = Learner(model, cfg)
+    # the session's engine counts the versions earlier tests loaded into it (the same weights): the learner
+    # holds that version, since mismatch_kl covers only the turns sampled by the learner's own version
+    learner.version = int(max(t.versions.max() for t in trees))
+    stats = learner.step([credit_rollout_tree(t, cfg.algo) for t in trees])
     k1, k3 = stats["learner/mismatch_kl"], stats["learner/mismatch_kl_k3"]
+    assert stats["learner/mismatch_tokens"] > 0
     report(f"vLLM T={temperature} top-p={top_p} top-k={top_k}: learner mismatch k1 {k1:.2e}, k3 {k3:.2e}")
     assert abs(k1) < 1e-3 and abs(k3) < 1e-3
 

@@ -129,7 +129,10 @@ BAD = [
         "learner.collective_timeout_s=0",
         r"^learner\.collective_timeout_s = 0\.0 is invalid: expected a number > 0",
     ),
-    ("weights.dtype=fp8", r"^weights\.dtype = 'fp8' is invalid: allowed values are 'auto', 'float32', 'bfloat16'"),
+    (
+        "weights.dtype=fp8",
+        r"^weights\.dtype = 'fp8' is invalid: allowed values are 'auto', 'float32', 'bfloat16'",
+    ),
     ("sampler.top_k=-1", r"^sampler\.top_k = -1 is invalid: expected an integer >= 0"),
     # store
     ("store.eta=1.5", r"^store\.eta = 1\.5 is invalid: expected an integer >= 0"),
