@@ -209,7 +209,9 @@ def render(results: Mapping[str, Mapping[str, Any]], provenance: str = "") -> st
         "|---|---|---:|---|---|---|",
     ]
     for v in verdicts(results):
-        measured = "error: " + str(v["error"]) if v["value"] is None and v["error"] else _num(v["value"])
+        measured = _num(v["value"])
+        if v["value"] is None:  # the benchmark failed, or did not run for this file
+            measured = "error: " + str(v["error"]) if v["error"] else "not run"
         parts = ", ".join(f"{k} {_num(x)}" for k, x in v["baselines"].items())
         ok = {True: "yes", False: "**no**", None: "—"}[v["ok"]]
         lines.append(
