@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -85,6 +86,18 @@ def _child(args: list[str], log: Path) -> str:
     return proc.stdout
 
 
+def clear_interrupted(folder: Path) -> bool:
+    """Removes the run directory an interrupted run left (it has no result.json): its store holds the trees
+    and reservations of the killed process, so reopening it would block admission; the run, seeded, starts
+    over from nothing. True when something was removed."""
+    run_dir = folder / "run"
+    if (folder / "result.json").is_file() or not run_dir.exists():
+        return False
+    shutil.rmtree(run_dir)
+    print(f"experiment: {folder.name} was interrupted before; starting it over", file=sys.stderr)
+    return True
+
+
 def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs: int):
     from dataclasses import asdict
 
@@ -116,6 +129,7 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
         pending: dict[Future[str], Any] = {}
         for r in todo:
             folder = runs_dir / r.key
+            clear_interrupted(folder)
             args = [
                 "run",
                 spec.path,
