@@ -230,6 +230,14 @@ def batch_entries(seq: int, bi: int, f: FlatColumns) -> list[Entry]:
     ]
 
 
+def _as_schema(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch` under SCHEMA: check_schema accepts a file whose nullability flags differ (nulls are checked
+    on read), which Table.from_batches would refuse; the columns are the same, only the labels change."""
+    if batch.schema.equals(SCHEMA, check_metadata=False):
+        return batch
+    return pa.RecordBatch.from_arrays(batch.columns, schema=SCHEMA)
+
+
 def check_segment(path: Path, seq: int, kind: str, full: bool) -> list[Entry]:
     """Index entries of a committed segment; raises (BAD_SEGMENT or StoreError) if any part is bad."""
     return check_batches(*read_segment(path), seq, kind, full)
@@ -299,7 +307,7 @@ class SegmentCache:
                 last[3] = loc.row1
             else:
                 runs.append([loc.seq, loc.batch, loc.row0, loc.row1])
-        parts = [self.batches(s)[b].slice(r0, r1 - r0) for s, b, r0, r1 in runs]
+        parts = [_as_schema(self.batches(s)[b].slice(r0, r1 - r0)) for s, b, r0, r1 in runs]
         return pa.Table.from_batches(parts, schema=SCHEMA)
 
     def clear(self) -> None:
