@@ -89,6 +89,9 @@ class Learner:
     losses and gradients up to float rounding. The model moves to the learner's device (learner/device.py).
     """
 
+    # one process: safetensors + optimizer (storage/checkpoint.py); ShardedLearner: DCP shards per rank
+    write_checkpoint = staticmethod(save_checkpoint)
+
     def __init__(
         self,
         model: nn.Module,
@@ -337,7 +340,7 @@ class Learner:
         the batches trained so far, which a resume rewinds the store to)."""
         if extra is None:
             extra = {"watermark": self.store.watermark() if self.store is not None else self.version}
-        return save_checkpoint(
+        return self.write_checkpoint(
             run_dir, self.version if step is None else step, self.model, self.optimizer,
             version=self.version, extra=extra, tokenizer=tokenizer or self.tokenizer,
         )  # fmt: skip

@@ -90,6 +90,8 @@ class ShardedLearner(Learner):
     """`Learner` on one rank of an initialized process group (module docstring). Rank 0 alone holds the
     store client and the weight source; the others pass None."""
 
+    write_checkpoint = staticmethod(save_dcp_checkpoint)  # every rank its shards, rank 0 the rest
+
     def __init__(self, model: nn.Module, cfg: Any, **kwargs: Any) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.microbatches = 0  # this step's real micro-batches on this rank
@@ -220,17 +222,6 @@ class ShardedLearner(Learner):
         if self.rank == 0 and self.store is not None:
             self.store.set_learner_version(self.version)
         return time.perf_counter() - t0
-
-    def save(
-        self, run_dir: str | Path, step: int | None = None, extra: dict | None = None, tokenizer: Any = None
-    ) -> Path:
-        """A DCP checkpoint (every rank writes its shards; rank 0 the rest and publishes it)."""
-        if extra is None:
-            extra = {"watermark": self.store.watermark() if self.store is not None else self.version}
-        return save_dcp_checkpoint(
-            run_dir, self.version if step is None else step, self.model, self.optimizer,
-            version=self.version, extra=extra, tokenizer=tokenizer or self.tokenizer,
-        )  # fmt: skip
 
     def restore(self, run_dir: str | Path) -> Checkpoint | None:
         """Rank 0 picks the newest valid checkpoint, every rank loads it (either format; DCP reshards to
