@@ -4,11 +4,16 @@ ZeroMQ weight subscriber passed in; `sample_and_commit` (the role's work) is Tre
 Managed by RLlib's FaultTolerantActorManager (health probes, restarts, in-flight bookkeeping), so the class
 mixes in FaultAwareApply. A restarted actor re-runs __init__: it gets a fresh RNG stream and tree-id prefix
 (no id collides with the dead incarnation's) and asks the publisher for the latest weights.
+
+A store actor that is down while Ray restarts it ends the call, not the sampler: FaultAwareApply exits the
+actor on any exception (RLlib's rule: the state may be corrupt), which would spend a sampler restart on each
+store restart, though the only Ray calls a sampler makes are to the store and nothing of its own is broken.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +26,8 @@ from actors.tree_sampler import TreeSampler
 from actors.weight_subscriber import WeightSubscriber
 from configs.schema import Config, parse_config
 from storage.replay_store_actor import RemoteStore
+
+STORE_DOWN_BACKOFF_S = 0.5  # before returning, so the driver's next call does not spin while Ray restarts it
 
 
 class SamplerActor(TreeSampler, FaultAwareApply):
@@ -36,6 +43,18 @@ class SamplerActor(TreeSampler, FaultAwareApply):
         parts = sampler_parts(self.cfg, model_path, index, incarnation)
         parts["prefix"] = f"s{index}-{uuid.uuid4().hex[:8]}"
         super().__init__(**parts, store=RemoteStore(store), weights=self.sub)
+
+    def sample_and_commit(self, n: int, min_version: int = 0, wait_s: float = 60.0) -> dict[str, Any]:
+        """TreeSampler's; when the store actor is unavailable, the call returns nothing admitted and counts
+        it (`sampler/store_unavailable`). Trees a failed put_raw may still have committed stay committed
+        (the store's own log); the others were never visible; the reservation went back before the raise
+        (TreeSampler) or with the store's restart (reservations live in its memory)."""
+        try:
+            return super().sample_and_commit(n, min_version, wait_s)
+        except ray.exceptions.RayActorError:  # the store actor: the only actor a sampler calls
+            self.stats["sampler/store_unavailable"] = self.stats.get("sampler/store_unavailable", 0.0) + 1
+            time.sleep(STORE_DOWN_BACKOFF_S)
+            return {"admitted": 0.0, "trees": 0.0, "store_unavailable": 1.0, "metrics": self.get_metrics()}
 
     def pid(self) -> int:
         return os.getpid()

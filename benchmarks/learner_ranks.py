@@ -1,7 +1,7 @@
 """`treeopsd bench learner_ranks --json`: the sharded learner (learner.ranks, docs/design.md §12) on the CPU.
 
     dp2_over_dp1             learner tokens/s of 2 ranks (FSDP2, gloo, 1 torch thread each) over 1 rank
-                             (the plain Learner, 1 thread) on the same 8 trees (goal ≥ 1.7, limit 2.0)
+                             (the plain Learner, 1 thread) on the same 32 trees (goal ≥ 1.7, limit 2.0)
     fsdp2_state_bytes_ratio  per-rank parameter + gradient + AdamW bytes with 2 ranks over 1 rank (the
                              largest rank; goal ≤ 0.55, limit 0.5)
     dp2_over_dp1_cpu         the same ratio from process CPU seconds (the busiest rank's): what dedicated
@@ -34,6 +34,10 @@ import numpy as np
 import torch
 
 RANK_TIMEOUT_S = 900.0  # one rank process's whole run (model load, warm-up, repetitions)
+# Trees per learner step: a rollout batch of the size users train with (32-256), not a toy 8. Each mini-batch
+# costs the ranks a fixed exchange (FSDP2's all-gather and reduce-scatter over gloo) and waits for the rank
+# with the most tokens; with 8 trees, 2 per rank per mini-batch, those two would be most of what is measured.
+BENCH_TREES = 32
 
 
 # ---- the parent: inputs, processes, results -----------------------------------------------------------
@@ -182,7 +186,8 @@ def _rank_main(spec_path: str, rank: int) -> None:
 
 # ---- the benchmark ----------------------------------------------------------------------------------------
 def _inputs(folder: Path, quick: bool) -> tuple[int, int]:
-    """The model (hidden 128 / 4 layers; quick: 64 / 2) and 8 credited (4,2) trees; (trees, tokens)."""
+    """The model (hidden 128 / 4 layers; quick: 64 / 2) and BENCH_TREES credited (4,2) trees (quick: 8);
+    (trees, tokens)."""
     from actors.policy.tiny_model import build_tiny_model
     from benchmarks.bench_learner import _tokenizer, random_rollout_tree
     from configs.schema import parse_config
@@ -194,7 +199,8 @@ def _inputs(folder: Path, quick: bool) -> tuple[int, int]:
     model.config._attn_implementation = "sdpa"
     rng = np.random.default_rng(0)
     algo = parse_config({}).algo
-    trees = [credit_rollout_tree(random_rollout_tree(rng, f"t{i}", len(tok)), algo) for i in range(8)]
+    n = 8 if quick else BENCH_TREES
+    trees = [credit_rollout_tree(random_rollout_tree(rng, f"t{i}", len(tok)), algo) for i in range(n)]
     write_inputs(folder, trees, model, tok)
     return len(trees), int(sum(t.num_tokens for t in trees))
 

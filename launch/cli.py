@@ -28,22 +28,24 @@ COMMANDS = {
     "model": "import a .gguf model file as a Hugging Face folder",
     "data": "dataset tools (decrypt BrowseComp-Plus queries)",
     "soak": "train while killing a random role on a schedule; audit the store and the batches after",
+    "drill": "`train --steps N` with each role SIGKILLed once at random; check every batch trained once",
 }
 BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights", "credit", "retrieval", "learner_ranks")
 # a benchmark is the module benchmarks.bench_<name> unless named here
 BENCH_MODULES = {"learner_ranks": "benchmarks.learner_ranks"}
+BENCH_ALIASES = {"learner_scale": "learner_ranks"}  # the name the issue tracker and earlier notes use
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print one JSON object")
-    p.add_argument("name", choices=(*BENCHMARKS, "all"))
+    p.add_argument("name", choices=(*BENCHMARKS, *BENCH_ALIASES, "all"))
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     p.add_argument("--out", default=None, help="also write the JSON here (with `all`: and a .md summary)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    names = BENCHMARKS if args.name == "all" else (args.name,)
+    names = BENCHMARKS if args.name == "all" else (BENCH_ALIASES.get(args.name, args.name),)
     results = {}
     for name in names:
         results[name] = importlib.import_module(BENCH_MODULES.get(name, f"benchmarks.bench_{name}")).run(args)

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-every", type=float, default=10.0, help="seconds between RSS samples")
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
     parser.add_argument("--run-dir", default="runs/soak", help="a new run directory")
+    parser.add_argument(
+        "--results", default=None, help="also publish the report: DIR/soak.json, DIR/faults.md"
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
 
 
@@ -98,8 +101,9 @@ def report(cfg: Any, got: dict[str, Any], minutes: float) -> dict[str, Any]:
     summary, steps = got["summary"], got["summary"]["steps"]
     store, batches = audit_store(cfg.store_dir), batch_audit(got["events"], steps)
     restarts = {**summary["restarts"], "sampler": summary["sampler_restarts"]}
-    warmup_s = 60.0  # per process, from its first sample: model load and first steps
-    memory = got["memory"].report(warmup_s)
+    warmup_s = 120.0  # per process, from its first sample: model load, first steps, first checkpoint
+    window_s = 300.0  # the shortest life past warm-up whose slope can tell a leak from a transient
+    memory = got["memory"].report(warmup_s, window_s)
     slopes = [m["max_slope_mb_per_min"] for m in memory.values() if m["max_slope_mb_per_min"] is not None]
     bad = (store["trees_lost"], store["trees_duplicated"], store["trees_half_visible"])
     ok = bad == (0, 0, 0) and not batches["twice"] and not batches["skipped"] and store["batches"] == steps
@@ -117,7 +121,9 @@ def report(cfg: Any, got: dict[str, Any], minutes: float) -> dict[str, Any]:
         "restarts": restarts,
         "learner_step_retries": summary["learner_step_retries"],
         "memory_warmup_s": warmup_s,
+        "memory_window_s": window_s,
         "memory": memory,
+        "memory_series": got["memory"].series_mb(),
         "max_rss_slope_mb_per_min": max(slopes, default=None),
         "checkpoint": summary["checkpoint"],
     }
@@ -141,8 +147,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"treeopsd soak: {e}", file=sys.stderr)
         return 2
     prepare_run_dir(cfg, resume=False)
-    out = report(cfg, soak(cfg, model_path, args), args.minutes)
+    out = {**report(cfg, soak(cfg, model_path, args), args.minutes), "every": args.every, "seed": args.seed}
     text = json.dumps(out, indent=2, default=str)
     write_atomic(Path(cfg.run.run_dir) / "soak.json", text.encode())
+    if args.results:
+        from launch.fault_report import publish
+
+        publish(json.loads(text), "soak.json", args.results)
     print(text)
     return 0 if out["ok"] else 1

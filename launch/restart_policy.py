@@ -5,6 +5,7 @@
     time.sleep(backoff_s(1))                       # 1 s, then 2, 4, ... capped at 30
     learner_action("store", ranks=1)               # "reconcile": keep the live learner, rewind the store
     batch_audit([("trained", 0), ("rewind", 0), ("trained", 0)], steps=1)   # nothing twice, nothing skipped
+    catch_up_events(logged=5, version=7, kept_batch=6)   # [("unlogged", 5), ("trained", 6)]
 
 The batch events are the driver's view of what the model holds: `("trained", k)` a step on batch k whose
 metrics arrived, `("unlogged", k)` batch k trained but its metrics lost with a failed call (the learner's
@@ -106,6 +107,15 @@ def batch_audit(events: Sequence[tuple[str, int]], steps: int) -> dict[str, list
         "skipped": sorted(set(range(steps)) - set(counts)),
         "unlogged": sorted(k for op, k in events if op == "unlogged"),
     }
+
+
+def catch_up_events(logged: int, version: int, kept_batch: int | None) -> list[tuple[str, int]]:
+    """Batch events for steps logged + 1 .. version, trained though the calls that carried their metrics
+    failed: each batch `("unlogged", k)`, except the newest when the learner kept that step's metrics
+    (`kept_batch`, its batch index): then `("trained", kept_batch)`, as if its call had returned."""
+    last = version - (kept_batch is not None)
+    events = [("unlogged", k) for k in range(logged, last)]
+    return events + ([("trained", kept_batch)] if kept_batch is not None and version > logged else [])
 
 
 def resume_command(argv: Sequence[str], run_dir: str) -> str:

@@ -138,21 +138,33 @@ class MemoryWatch(_Periodic):
             if rss is not None:
                 self.samples.setdefault((role, pid), []).append((t, rss))
 
-    def report(self, warmup_s: float) -> dict[str, dict[str, Any]]:
-        """Per role: the largest slope over its processes (MB/min), each after its own first `warmup_s`
-        (a restarted process loads its model first), where at least 3 samples follow; the longest a process
-        of the role lived (s); the largest RSS seen last (MB)."""
+    def report(self, warmup_s: float, min_window_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """Per role: the largest slope over its processes (MB/min), each after its own first `warmup_s` (a
+        restarted process loads its model first), counting only processes watched for at least
+        `min_window_s` past their warm-up (a slope over a minute or two measures allocation transients —
+        the first checkpoint, caches filling — not a leak) and at least 3 samples; how many processes that
+        was (`measured`); the longest a process of the role lived (s); the largest RSS seen last (MB)."""
         out: dict[str, dict[str, Any]] = {}
         for (role, _pid), series in sorted(self.samples.items()):
-            slope = rss_slope_mb_per_min(series, series[0][0] + warmup_s)
-            entry = out.setdefault(role, {"processes": 0, "max_slope_mb_per_min": None, "rss_mb": 0.0})
+            start = series[0][0] + warmup_s
+            long_enough = series[-1][0] - start >= min_window_s
+            slope = rss_slope_mb_per_min(series, start) if long_enough else None
+            entry = out.setdefault(
+                role, {"processes": 0, "measured": 0, "max_slope_mb_per_min": None, "rss_mb": 0.0}
+            )
             entry["processes"] += 1
             entry["rss_mb"] = max(entry["rss_mb"], round(series[-1][1] / 1e6, 1))
             entry["longest_lived_s"] = max(entry.get("longest_lived_s", 0.0), series[-1][0] - series[0][0])
             if slope is not None:
+                entry["measured"] += 1
                 best = entry["max_slope_mb_per_min"]
                 entry["max_slope_mb_per_min"] = round(slope if best is None else max(best, slope), 3)
         return out
+
+    def series_mb(self) -> dict[str, list[list[float]]]:
+        """Every process's samples as {"role/pid": [[seconds, MB], ...]} (the report keeps them)."""
+        return {f"{role}/{pid}": [[round(t, 1), round(b / 1e6, 2)] for t, b in series]
+                for (role, pid), series in sorted(self.samples.items())}  # fmt: skip
 
 
 def _rss_bytes(pid: int) -> float | None:

@@ -37,7 +37,14 @@ import ray
 from configs.schema import Config
 from launch.backup_actor import BackupActor
 from launch.learner_group import LearnerGroup, LearnerRankError
-from launch.restart_policy import RestartBudget, RoleFailed, backoff_s, failure_kind, learner_action
+from launch.restart_policy import (
+    RestartBudget,
+    RoleFailed,
+    backoff_s,
+    catch_up_events,
+    failure_kind,
+    learner_action,
+)
 from storage.replay_store_actor import RemoteStore
 from storage.role_log import with_role_log
 
@@ -302,10 +309,22 @@ class Supervisor:
         driver.retiring |= set(active)
         scale_samplers(self.topo, self.cfg, len(active), frozenset(driver.retiring))
 
+    def _last_step_metrics(self, version: int) -> dict[str, float] | None:
+        """The learner's own record of step `version` (None when it has none, or does not answer)."""
+        try:
+            last = ray.get(self.topo.learner.last_step_metrics.remote(), timeout=LEARNER_PING_S)
+        except (ray.exceptions.RayError, TimeoutError):
+            return None
+        return last if last is not None and int(last["learner/version"]) == version else None
+
     def _resync(self, driver: Any, version: int) -> None:
         """The driver, the store and the batch events agree on the learner's `version` again."""
         if version > driver.step:  # trained, but the call carrying the metrics failed
-            self.events += [("unlogged", k) for k in range(driver.step, version)]
+            last = self._last_step_metrics(version)
+            kept = None if last is None else int(last["learner/batch_index"])
+            self.events += catch_up_events(driver.step, version, kept)
+            if last is not None:  # the learner kept the newest step's metrics: that step is logged after all
+                driver.sink.log(last, version)
         elif version < driver.step:  # restarted from an older checkpoint: later batches are trained again
             self.events.append(("rewind", version))
         driver.step = version

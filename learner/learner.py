@@ -115,6 +115,9 @@ class Learner:
         self.version = 0
         self.wait_s = 0.0
         self.lag_history: list[int] = []  # per-tree version lags since the last pop, for the histogram
+        # the newest trained step's metrics, kept from the moment the step is applied: a call that fails
+        # after that (publish, checkpoint, a lost store) loses its return value, not the record of the step
+        self.last_metrics: dict[str, float] | None = None
 
     # ---- the role ---------------------------------------------------------------------------------
     def start(self, resume: bool = False) -> Checkpoint | None:
@@ -137,6 +140,8 @@ class Learner:
             return None
         self.lag_history.extend(version_lags(trees, self.version).tolist())
         metrics = {**batch_metrics(trees, self.version), **self.step(trees)}
+        metrics.update({"learner/batch_index": float(batch_index), "learner/step": float(self.version)})
+        self.last_metrics = metrics
         metrics["weights/publish_s"] = self._publish()
         if self.version % self.cfg.learner.checkpoint_every == 0:
             t_ckpt = time.perf_counter()
@@ -144,11 +149,15 @@ class Learner:
             metrics["learner/checkpoint_s"] = time.perf_counter() - t_ckpt
             metrics["learner/checkpoint_mb"] = checkpoint_bytes(path) / 1e6
         busy = time.perf_counter() - t0
-        metrics.update({"learner/wait_for_batch_s": self.wait_s, "learner/batch_index": float(batch_index)})
+        metrics["learner/wait_for_batch_s"] = self.wait_s
         metrics["learner/idle_ratio"] = self.wait_s / max(self.wait_s + busy, 1e-9)
-        metrics["learner/step"] = float(self.version)
         self.wait_s = 0.0
         return metrics
+
+    def last_step_metrics(self) -> dict[str, float] | None:
+        """The newest trained step's metrics (None before the first): what the driver logs for a step whose
+        call failed after the step was applied (launch/supervision.py)."""
+        return self.last_metrics
 
     def _take_batch(self) -> tuple[int, list[RolloutTree] | None]:
         """(k, batch k): k = the store's watermark, the id take_batch records this batch under."""

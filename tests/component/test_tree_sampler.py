@@ -1,6 +1,7 @@
 """Initialize–expand trees from the agent loop: each turn once, K = M + completed branches, branch prefixes
 identical to their source, observations masked, every node stamped (issue 4 acceptance, scripted backend)."""
 
+import itertools
 import json
 
 import numpy as np
@@ -103,16 +104,33 @@ def test_flat_groups_are_trees_without_branches(kb_env, tokenizer):
     assert all(len(c) <= 1 for c in tree.children[1:])  # chains only
 
 
-def test_versions_are_stamped_between_turns(kb_env, tokenizer):
+@pytest.mark.parametrize("loop", ["lockstep", "async"])
+def test_versions_are_stamped_between_turns(kb_env, tokenizer, loop):
     chat = ChatFormat.from_tokenizer(tokenizer)
-    backend = ScriptedBackend(tokenizer, seed=11)
+
+    class VersionInLogprobs(ScriptedBackend):  # each sampled token's log-prob says the version that drew it
+        def sample(self, requests):
+            out = super().sample(requests)
+            for res in out:
+                res.logprobs[:] = [-0.125 * (self.version + 1)] * len(res.logprobs)  # exact in float32
+            return out
+
+    backend = VersionInLogprobs(tokenizer, seed=11)
 
     class EveryPoll:  # a WeightSink with a new version at every poll: a weight update between turns
         def poll(self, timeout_ms=0):
             return backend.version + 1, {}
 
-    sampler = TreeSampler(backend, kb_env, chat, TreeShape(M=2, N=1), LoopLimits(), weights=EveryPoll())
+    shape, limits = TreeShape(M=2, N=1), LoopLimits()
+    sampler = TreeSampler(backend, kb_env, chat, shape, limits, weights=EveryPoll(), loop=loop)
     [tree] = sampler.sample_trees(kb_env.tasks("train", n=1), np.random.default_rng(3))
+    for node in tree.nodes[1:]:
+        # the stamp is the version whose weights sampled the turn: lp = -(v + 1) / 8  =>  v = -8 lp - 1
+        drawn_by = {round(-8.0 * float(lp) - 1.0) for lp in node.behavior_logprobs}
+        assert drawn_by == {node.policy_version}
     for leaf in tree.leaves:
         versions = [tree.nodes[i].policy_version for i in tree.path(leaf)]
-        assert versions == sorted(versions) and versions[0] >= 1
+        if loop == "lockstep":  # a poll before every round of turns, each a new version: +1 per turn
+            assert versions[0] == 1 and all(b > a for a, b in itertools.pairwise(versions))
+        else:  # episodes share one gate, each boundary takes what the poller has: never older along a path
+            assert versions == sorted(versions)

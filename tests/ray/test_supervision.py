@@ -12,6 +12,7 @@ import time
 import pytest
 
 from configs.schema import load_config
+from launch.cmd_soak import sampler_restarts
 from launch.ray_run import Driver, start_topology, stop_topology
 from launch.restart_policy import RoleFailed, batch_audit
 from launch.soak import audit_store, kill_role
@@ -63,12 +64,15 @@ def test_every_role_killed_once_the_run_reaches_its_steps_with_each_batch_once(
         killer.done.set()
         killer.join()
         audit = batch_audit(driver.supervisor.events, STEPS)
+        restarted_samplers = sampler_restarts(topo)
     finally:
         stop_topology(topo)
     assert [(s, r) for s, r, _ in killer.kills] == plan  # each role was killed once, mid-run
     assert summary["steps"] == STEPS  # no human action
     assert summary["restarts"] == {"backup": 1, "store": 1, "learner": 1}
-    assert summary["sampler_failures"] >= 1  # the killed sampler's call (and calls the store kill broke)
+    # the killed sampler came back once; the store's restart cost no sampler a restart (a call the store
+    # could not answer returns, actors/sampler_actor.py)
+    assert restarted_samplers == 1
     assert audit["twice"] == [] and audit["skipped"] == [] and audit["trained"] == STEPS
     store = audit_store(tmp_path / "store")
     assert store["batches"] == STEPS and store["trees_trained"] == STEPS * B  # 10 batches of 2 trees

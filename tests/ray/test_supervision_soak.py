@@ -5,27 +5,18 @@ lost, duplicated or half-visible, no batch trained twice or skipped."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.cli_runs import run_small
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_minute_soak_under_kills_every_15_s_keeps_every_tree_and_batch_once(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "soak"
-    small = [
-        f"model.path={tiny_model_dir}", "learner.batch_trees=2", "learner.minibatches=2", "algo.M=2",
-        "algo.N=1", "env.max_turns=3", "env.max_turn_tokens=16",
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "launch.cli", "soak", "--minutes", "2", "--every", "15", "--seed", "1",
-           "--run-dir", str(run_dir), *small]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    done = run_small("soak", "--minutes", "2", "--every", "15", "--seed", "1", "--run-dir", str(run_dir),
+                     model_dir=tiny_model_dir)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((run_dir / "soak.json").read_text())
     assert report["ok"] and sum(report["kills"].values()) >= 5  # 120 s / 15 s = 8 ticks, the first at 15 s

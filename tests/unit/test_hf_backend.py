@@ -9,7 +9,7 @@ import torch
 
 from actors.policy.hf_backend import HFBackend
 from actors.policy.tiny_model import build_tiny_model, build_tokenizer
-from system.policy import PolicyBackend, SampleRequest, SamplingConfig
+from system.policy import SampleRequest, SamplingConfig
 from system.sampling import sampling_logprobs
 
 TEXTS = ["The mentor of Tavo Mirel is Quinto Sar.", "search: Tavo Mirel mentor", "answer: Quinto"] * 30
@@ -32,14 +32,6 @@ def backend(model, tok, **cfg) -> HFBackend:
 
 def ctx(tok, text="search: Tavo Mirel mentor") -> list[int]:
     return tok.encode(text, add_special_tokens=False)
-
-
-def test_is_a_policy_backend(model, tok):
-    b = backend(model, tok)
-    assert isinstance(b, HFBackend) and b.version == 0
-    _: PolicyBackend = b  # structural typing: the Protocol's methods all exist
-    for name in ("sample", "score", "load_weights", "close"):
-        assert callable(getattr(b, name))
 
 
 def test_length_finish_and_mid_sequence_stop(model, tok):

@@ -12,6 +12,7 @@ from launch.restart_policy import (
     RoleFailed,
     backoff_s,
     batch_audit,
+    catch_up_events,
     failure_kind,
     learner_action,
     resume_command,
@@ -73,6 +74,17 @@ def test_the_audit_finds_batches_twice_skipped_and_unlogged():
     assert batch_audit(events, steps=5) == {"trained": 4, "twice": [0], "skipped": [1, 3], "unlogged": [2]}
     with pytest.raises(ValueError, match="unknown batch event"):
         trained_batches([("trained", 0), ("lost", 1)])
+
+
+def test_steps_whose_calls_failed_are_caught_up_logged_where_the_learner_kept_the_metrics():
+    # the driver logged 5 steps; the learner is at version 7: batches 5 and 6 were trained, the calls lost
+    assert catch_up_events(5, 7, kept_batch=None) == [("unlogged", 5), ("unlogged", 6)]
+    # it kept step 7's metrics (batch 6): only batch 5 stays unlogged
+    assert catch_up_events(5, 7, kept_batch=6) == [("unlogged", 5), ("trained", 6)]
+    assert catch_up_events(6, 7, kept_batch=6) == [("trained", 6)]
+    assert catch_up_events(7, 7, kept_batch=None) == []
+    events = [*[("trained", k) for k in range(5)], *catch_up_events(5, 7, kept_batch=6), ("trained", 7)]
+    assert batch_audit(events, steps=8) == {"trained": 8, "twice": [], "skipped": [], "unlogged": [5]}
 
 
 def test_resume_command_repeats_the_arguments_with_resume():
