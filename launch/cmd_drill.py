@@ -5,7 +5,7 @@ the store and the learner each SIGKILLed once at random moments, and then the ru
 
 Nothing is done for the run by hand: the child trains with its configured restart budgets and must reach step
 N by itself and exit 0. The kill steps are drawn with `--seed` (launch/drill.py:kill_plan); each kill waits
-until the store has handed out that many batches, then a further random 0–2 s, so it lands anywhere inside a
+until the store has handed out that many batches, then a further random 0–1 s, so it lands anywhere inside a
 step. Afterwards: `treeopsd store verify` on the store; the learner's lineage of trained batches from its
 metrics (`learner/batch_index` per step in tensorboard, a re-logged step undoing the later ones); the store's
 live batches from its consumed log. The report — one JSON object, also RUN_DIR/drill.json — gives every check;
@@ -70,13 +70,13 @@ class _Child:
         return True
 
     def kill_at(self, step: int, role: str, store_dir: Path, rng: random.Random) -> int | None:
-        """Once `step` batches are handed out, and a random 0-2 s more: SIGKILLs one process of `role` (when
+        """Once `step` batches are handed out, and a random 0-1 s more: SIGKILLs one process of `role` (when
         it is down, restarting, once it is back); its pid, or None when the child ended first."""
         from launch.soak import kill_role
 
         if not self.wait_until(lambda: _batches_handed_out(store_dir) >= step):
             return None
-        time.sleep(rng.uniform(0.0, 2.0))  # anywhere inside the step
+        time.sleep(rng.uniform(0.0, 1.0))  # anywhere inside the step
         got: list[int] = []
 
         def killed() -> bool:

@@ -20,12 +20,15 @@ ROLES = ("sampler", "backup", "store", "learner")
 
 
 def kill_plan(steps: int, roles: Sequence[str], seed: int) -> list[tuple[int, str]]:
-    """Each role once, at distinct random steps in [1, steps - 1] (a kill at step k lands while batch k is
-    trained: after k batches are handed out), in a random order; sorted by step."""
+    """Each role once, at distinct random steps in the first half of the run (a kill at step k lands while
+    batch k is trained: after k batches are handed out; the second half leaves the run time to heal, and a
+    role that is down when its turn comes time to come back before the run ends), in random order; by step.
+    """
     if steps < len(roles) + 1:
         raise ValueError(f"a drill of {len(roles)} kills needs at least {len(roles) + 1} steps, got {steps}")
     rng = random.Random(seed)
-    at = sorted(rng.sample(range(1, steps), len(roles)))
+    last = max(len(roles), steps // 2)
+    at = sorted(rng.sample(range(1, last + 1), len(roles)))
     order = rng.sample(list(roles), len(roles))
     return list(zip(at, order, strict=True))
 

@@ -1,6 +1,6 @@
-"""The fire drill through the CLI (`treeopsd drill`, launch/cmd_drill.py): `treeopsd train --steps 12` as a
+"""The fire drill through the CLI (`treeopsd drill`, launch/cmd_drill.py): `treeopsd train --steps 16` as a
 child process, a sampler, the backup, the store and the learner each SIGKILLed once at random steps, and the
-run reaches step 12 by itself, exits 0, `treeopsd store verify` is clean, and every batch index is trained
+run reaches step 16 by itself, exits 0, `treeopsd store verify` is clean, and every batch index is trained
 exactly once — read from the learner's metrics (tensorboard) and the store's consumed log."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from tests.cli_runs import ROOT, run_small
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-STEPS = 12
+STEPS = 16  # kills in steps 1-8, then 8 steps to heal before the end
 
 
 def test_train_reaches_its_steps_with_every_role_killed_once(tmp_path, tiny_model_dir):
@@ -26,9 +26,15 @@ def test_train_reaches_its_steps_with_every_role_killed_once(tmp_path, tiny_mode
     assert sorted(r for _, r, _ in report["kills"]) == ["backup", "learner", "sampler", "store"]
     assert [s for s, _, _ in report["kills"]] == [s for s, _ in report["plan"]]
     assert report["steps_trained"] == STEPS and report["store_batches"] == STEPS
-    # Ray restarted each killed actor once, and only those: the store's restart costs no sampler a restart
-    # (actors/sampler_actor.py returns from a call the store could not answer instead of exiting)
-    assert report["restarts"] == {"backup": 1, "store": 1, "learner": 1, "sampler": 1}
+    assert {k: report["restarts"][k] for k in ("backup", "store", "learner")} == {
+        "backup": 1,
+        "store": 1,
+        "learner": 1,
+    }
+    # The store's restart costs no sampler a restart (actors/sampler_actor.py returns from a call the store
+    # could not answer): at most the killed one is counted. Not always even that one: a learner restarted
+    # on a new weight port (the old one still held) replaces the samplers, and the new ones have no restarts.
+    assert report["restarts"]["sampler"] <= 1
     assert report["store_verify"][0].startswith("ok: ")
 
 

@@ -64,15 +64,16 @@ def test_every_role_killed_once_the_run_reaches_its_steps_with_each_batch_once(
         killer.done.set()
         killer.join()
         audit = batch_audit(driver.supervisor.events, STEPS)
-        restarted_samplers = sampler_restarts(topo)
+        restarted_samplers, healthy = sampler_restarts(topo), len(topo.manager.healthy_actor_ids())
     finally:
         stop_topology(topo)
     assert [(s, r) for s, r, _ in killer.kills] == plan  # each role was killed once, mid-run
     assert summary["steps"] == STEPS  # no human action
     assert summary["restarts"] == {"backup": 1, "store": 1, "learner": 1}
-    # the killed sampler came back once; the store's restart cost no sampler a restart (a call the store
-    # could not answer returns, actors/sampler_actor.py)
-    assert restarted_samplers == 1
+    # Both samplers are serving again. The store's restart cost no sampler a restart (a call the store could
+    # not answer returns, actors/sampler_actor.py): at most the killed one is counted (Ray's counts do not
+    # always show even that one at the end: tests/ray/test_drill_cli.py).
+    assert healthy == 2 and restarted_samplers <= 1
     assert audit["twice"] == [] and audit["skipped"] == [] and audit["trained"] == STEPS
     store = audit_store(tmp_path / "store")
     assert store["batches"] == STEPS and store["trees_trained"] == STEPS * B  # 10 batches of 2 trees

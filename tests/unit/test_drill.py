@@ -10,7 +10,7 @@ def test_kill_plan_kills_each_role_once_at_distinct_steps_inside_the_run():
     plan = kill_plan(300, ROLES, seed=0)
     steps = [s for s, _ in plan]
     assert sorted(r for _, r in plan) == sorted(ROLES) and steps == sorted(steps)
-    assert len(set(steps)) == 4 and all(1 <= s <= 299 for s in steps)
+    assert len(set(steps)) == 4 and all(1 <= s <= 150 for s in steps)  # the first half of 300 steps
     assert kill_plan(300, ROLES, seed=0) == plan and kill_plan(300, ROLES, seed=1) != plan  # seeded
     # the smallest run that fits: 5 steps, kills at 1, 2, 3, 4 (the only 4 distinct steps in [1, 4])
     assert [s for s, _ in kill_plan(5, ROLES, seed=3)] == [1, 2, 3, 4]
