@@ -47,16 +47,9 @@ def lineage(events: Sequence[tuple[int, float]]) -> dict[int, int]:
 
 def read_batch_index_events(tb_dir: Path) -> list[tuple[int, float]]:
     """(step, learner/batch_index) in the order the driver logged them, with nothing purged."""
-    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
-        EventAccumulator,
-    )
+    from storage.metrics import read_scalars
 
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
-    acc.Reload()
-    if "learner/batch_index" not in acc.Tags()["scalars"]:
-        return []
-    events = sorted(acc.Scalars("learner/batch_index"), key=lambda e: e.wall_time)
-    return [(e.step, e.value) for e in events]
+    return read_scalars(tb_dir, purge=False).get("learner/batch_index", [])
 
 
 def live_batches(store_dir: Path) -> list[list[str]]:

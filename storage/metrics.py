@@ -79,10 +79,11 @@ class NullSink:
         pass
 
 
-def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """All scalar series from a run's event files (for reports and tests)."""
+def read_scalars(log_dir: str | Path, purge: bool = True) -> dict[str, list[tuple[int, float]]]:
+    """All scalar series from a run's event files (for reports and tests), in the order logged. `purge`:
+    tensorboard's view, where a step logged again drops the later ones; False keeps every event."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0}, purge_orphaned_data=purge)
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
