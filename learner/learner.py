@@ -79,6 +79,13 @@ def _attention_of(cfg: Config, device: torch.device) -> Literal["tree", "flex"]:
     return "flex" if choice == "flex" or (choice == "auto" and device.type == "cuda") else "tree"
 
 
+def checkpointed_metrics(ckpt: Checkpoint) -> dict[str, float] | None:
+    """The metrics of the step a checkpoint holds (None in a checkpoint written before a step, or by an
+    older version)."""
+    kept = ckpt.extra.get("step_metrics")
+    return {str(k): float(v) for k, v in kept.items()} if isinstance(kept, dict) else None
+
+
 class Learner:
     """Holds the model, AdamW and the policy version; `step` trains on one fixed rollout batch.
 
@@ -156,7 +163,9 @@ class Learner:
 
     def last_step_metrics(self) -> dict[str, float] | None:
         """The newest trained step's metrics (None before the first): what the driver logs for a step whose
-        call failed after the step was applied (launch/supervision.py)."""
+        call failed after the step was applied (launch/supervision.py). A restored learner has those of its
+        checkpoint's step: a learner killed after saving step k, before its call returned, is restarted
+        from step k, and step k is logged from there (else its batch would be trained but never logged)."""
         return self.last_metrics
 
     def _take_batch(self) -> tuple[int, list[RolloutTree] | None]:
@@ -349,6 +358,8 @@ class Learner:
         the batches trained so far, which a resume rewinds the store to)."""
         if extra is None:
             extra = {"watermark": self.store.watermark() if self.store is not None else self.version}
+            if self.last_metrics is not None:  # a learner killed before the step's call returned keeps them
+                extra["step_metrics"] = {k: float(v) for k, v in self.last_metrics.items()}
         return self.write_checkpoint(
             run_dir, self.version if step is None else step, self.model, self.optimizer,
             version=self.version, extra=extra, tokenizer=tokenizer or self.tokenizer,
@@ -360,4 +371,5 @@ class Learner:
         if ckpt is not None:
             ckpt.restore(self.model, self.optimizer)
             self.version = ckpt.version
+            self.last_metrics = checkpointed_metrics(ckpt)
         return ckpt

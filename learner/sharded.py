@@ -48,7 +48,7 @@ from learner.distributed import (
     shard_model,
 )
 from learner.forward import attention_scope, token_logprobs
-from learner.learner import Learner
+from learner.learner import Learner, checkpointed_metrics
 from learner.minibatch import MinibatchTargets, microbatch_pieces, pack_microbatch
 from learner.packing import PackedBatch
 from storage.checkpoint import Checkpoint, load_latest, verify_checkpoint
@@ -233,6 +233,7 @@ class ShardedLearner(Learner):
         ckpt = chosen or verify_checkpoint(Path(path.decode()), hashes=False)
         restore_into(ckpt, self.model, self.optimizer)
         self.version = ckpt.version
+        self.last_metrics = checkpointed_metrics(ckpt)
         return ckpt
 
 

@@ -55,11 +55,19 @@ _FAILED.add(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 @contextlib.contextmanager
-def handshake_failures(sock: zmq.Socket):
+def handshake_failures(sock: zmq.Socket, endpoint: str):
     """Yields a function counting the failed handshakes (a refused CURVE peer) of `sock` since entry, as its
-    monitor reports them: a refusal observed, not a quiet window waited out. Single-threaded like `sock`."""
+    monitor reports them: a refusal observed, not a quiet window waited out. Single-threaded like `sock`.
+
+    `sock` is connected to `endpoint` again once its monitor is attached, so that at least one handshake
+    happens under watch: libzmq retries a handshake that failed on a dropped connection (NO_DETAIL), but
+    not one that failed on the peer's greeting (PROTOCOL, a mechanism mismatch), and which of the two a
+    refused peer sees first is a race. Waiting for a second failure, or for any failure of a connection
+    made before the monitor, therefore hung now and then (it did under load)."""
     monitor = sock.get_monitor_socket()
     seen: list[int] = []
+    sock.disconnect(endpoint)
+    sock.connect(endpoint)
 
     def count() -> int:
         while monitor.poll(0):

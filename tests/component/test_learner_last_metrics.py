@@ -41,3 +41,22 @@ def test_a_step_whose_call_failed_after_training_keeps_its_metrics(tok):
     assert learner.version == 2 and kept is not first
     assert (kept["learner/version"], kept["learner/step"], kept["learner/batch_index"]) == (2.0, 2.0, 1.0)
     assert np.isfinite(kept["learner/loss"]) and kept["learner/trees"] == 2
+
+
+def test_a_learner_restored_from_its_checkpoint_has_that_steps_metrics(tok, tmp_path):
+    """A learner SIGKILLed after saving step k, before its call returned: the restarted one, restored from
+    step k, still names k's batch, so the driver logs it (the 16-step drill once found batch 8 trained,
+    in the checkpoint, and in no metrics)."""
+    run = {"run_dir": str(tmp_path)}
+    cfg = config(learner={"batch_trees": 2, "checkpoint_every": 1}, run=run)
+    store = Store(make_trees(tok, n=4))
+    learner = Learner(build_tiny_model(tok, seed=0), cfg, store=store)
+    learner.train_step()
+    second = learner.train_step()  # batch 1, saved as step 2
+    again = Learner(build_tiny_model(tok, seed=1), cfg, store=store)  # the restart, before restoring
+    assert again.last_step_metrics() is None
+    assert again.restore(tmp_path) is not None and again.version == 2
+    kept = again.last_step_metrics()
+    assert kept is not None and (kept["learner/version"], kept["learner/batch_index"]) == (2.0, 1.0)
+    assert kept["learner/loss"] == second["learner/loss"]  # JSON keeps a float64 exactly
+    assert set(kept) <= set(second)  # what the step had measured when it was saved
