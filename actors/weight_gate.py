@@ -129,10 +129,9 @@ class WeightGate:
     async def _run(self) -> None:
         assert self.poller is not None
         while True:
-            got = await self.poller.next_version()
-            if got[0] > self.server.version:
-                self._applying = asyncio.ensure_future(self.apply(*got))
-                del got  # the frame must not hold the tensors: see stop()
+            version, tensors = await self.poller.next_version()
+            if version > self.server.version:
+                self._applying = asyncio.ensure_future(self.apply(version, tensors))
                 await asyncio.shield(self._applying)  # stop() never cuts a load in half
 
     async def apply(self, version: int, tensors: Any) -> None:
