@@ -181,6 +181,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
     if world > 1:
         import torch.distributed as dist
 
+        dist.barrier()  # no rank tears down its end of the group while another is still in a collective
         dist.destroy_process_group()
 
 
@@ -242,3 +243,10 @@ def run(args: Any) -> dict:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]))
+    # Everything this rank reports is in its files by now. Exit without the interpreter's finalization:
+    # the FSDP model and its mesh still hold the gloo process group, whose worker threads, destroyed during
+    # finalization, can end the process with SIGABRT ("terminate called without an active exception",
+    # pytorch#190489), which failed a CI run after the rank had written its result.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
