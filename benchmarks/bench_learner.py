@@ -22,7 +22,8 @@ Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 /
                          packed_speedup_of_limit = packed_speedup / that limit (goal ≥ 0.9);
                          packed_speedup_of_limit_h128 the same for the hidden-128 / 4-layer model, where
                          per-kernel dispatch is a smaller share of the step
-    microbatch_*, attention  token-budget micro-batches and long-tree attention (learner_microbatch.py)
+    microbatch_*, attention  token-budget micro-batches and long-tree attention (learner_microbatch.py);
+                         microbatch_overhead_h128 is microbatch_overhead for the hidden-128 / 4-layer model
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ def run(args) -> dict:
     tokens_packed = int(sum(t.num_tokens for t in trees))
     tiny = build_tiny_model(tok, hidden=64, layers=2, heads=2, kv_heads=1, max_positions=4096)
     scale = microbatch_overhead(tiny, trees, reps=1 if quick else 5)
+    if not quick:  # the same figure where per-kernel dispatch is a smaller share of each micro-batch
+        h128 = build_tiny_model(tok, hidden=128, layers=4, heads=4, kv_heads=2, max_positions=4096)
+        scale["microbatch_overhead_h128"] = microbatch_overhead(h128, trees, reps=3)["microbatch_overhead"]
     attention = attention_scaling((2,) if quick else (2, 8, 32))
     return {
         "packed_step_s": head["packed_step_s"],

@@ -78,7 +78,12 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         "microbatch_overhead",
         "<=",
         1.10,
-        ("four_microbatch_step_s", "one_microbatch_step_s", "microbatch_recomputed_frac"),
+        (
+            "four_microbatch_step_s",
+            "one_microbatch_step_s",
+            "microbatch_recomputed_frac",
+            "microbatch_overhead_h128",
+        ),
         "step with ~4 token-budget micro-batches per mini-batch over one",
     ),
     (
