@@ -168,7 +168,10 @@ def run(args) -> dict:
     tiny = build_tiny_model(tok, hidden=64, layers=2, heads=2, kv_heads=1, max_positions=4096)
     scale = microbatch_overhead(tiny, trees, reps=1 if quick else 5)
     if not quick:  # the same figure where per-kernel dispatch is a smaller share of each micro-batch
-        h128 = build_tiny_model(tok, hidden=128, layers=4, heads=4, kv_heads=2, max_positions=4096)
+        hidden, layers, heads, kv = shapes["h128_l4"]
+        h128 = build_tiny_model(
+            tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, max_positions=4096
+        )
         scale["microbatch_overhead_h128"] = microbatch_overhead(h128, trees, reps=3)["microbatch_overhead"]
     attention = attention_scaling((2,) if quick else (2, 8, 32))
     return {
