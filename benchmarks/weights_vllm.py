@@ -73,9 +73,11 @@ def _received(payload: dict[str, Any]) -> tuple[Any, Any, Any]:
     pub = WeightPublisher(keep=1)
     sub = WeightSubscriber(pub.endpoint)
     pub.publish(payload, 1)
-    got = None
-    while got is None:
-        got = sub.poll(timeout_ms=100)
+    got = sub.poll(timeout_ms=120_000)  # returns as soon as the version is in
+    if got is None:
+        sub.close()
+        pub.close()
+        raise TimeoutError("bench weights: the subscriber did not receive the published version in 120 s")
     return pub, sub, got[1]
 
 
