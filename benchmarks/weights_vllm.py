@@ -107,6 +107,7 @@ def _publish_to_engine(backend: Any, payload: dict[str, Any], reps: int) -> tupl
     """Best of `reps` (after a warm-up) of publish → subscriber poll → load into the engine, and of its
     first part (publish until the subscriber holds the version)."""
     from actors.weight_subscriber import WeightSubscriber
+    from benchmarks.bench_weights import _wait
     from learner.weight_publisher import WeightPublisher
 
     pub = WeightPublisher(keep=1)
@@ -115,13 +116,14 @@ def _publish_to_engine(backend: Any, payload: dict[str, Any], reps: int) -> tupl
     try:
         backend.weight_transfer = "shared"
         for version in range(1000, 1001 + reps):
-            while not pub.stats()["spare_ready"] or pub.stats()["hashing"]:
-                time.sleep(0.01)  # steady state: training runs between publishes
+            # steady state: training runs between publishes
+            ready = lambda: pub.stats()["spare_ready"] and not pub.stats()["hashing"]  # noqa: E731
+            _wait(ready, "the publisher's spare memfd and hash")
             t0 = time.perf_counter()
             pub.publish(payload, version)
-            got = None
-            while got is None or got[0] < version:
-                got = sub.poll(timeout_ms=100)
+            got = sub.poll(timeout_ms=120_000)  # returns as soon as the version is in
+            if got is None or got[0] != version:
+                raise TimeoutError(f"bench weights: v{version} not received in 120 s (got {got and got[0]})")
             t1 = time.perf_counter()
             backend.load_weights(got[1], version=got[0])
             if version > 1000:
