@@ -127,9 +127,16 @@ def test_score_reproduces_sampled_logprobs(vllm_backend: Any, report: Callable[[
 
 
 def test_load_weights_in_place(
-    vllm_backend: Any, tiny_model_dir: Path, report: Callable[[str], None]
+    vllm_backend: Any, tiny_model_dir: Path, report: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Bad tensors are refused before the engine is touched; a version received through the publisher's
+    sealed memfd is loaded from the subscriber's descriptor (no copy, no file, the publisher gone by then);
+    tensors of this process are staged in the sampler's memfd (the restore)."""
     from safetensors.torch import load_file
+
+    from actors.policy import vllm_backend as backend_module
+    from actors.weight_subscriber import WeightSubscriber
+    from learner.weight_publisher import WeightPublisher
 
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     rng = random.Random(5)
@@ -146,8 +153,18 @@ def test_load_weights_in_place(
     assert vllm_backend.version == v0  # rejected before the engine was touched
 
     zeroed = dict(original, **{"model.embed_tokens.weight": original["model.embed_tokens.weight"] * 0})
+    pub = WeightPublisher(keep=1)
+    sub = WeightSubscriber(pub.endpoint)
     try:
-        vllm_backend.load_weights(zeroed, version=v0 + 1)
+        pub.publish(zeroed, v0 + 1)
+        got = sub.poll(timeout_ms=30_000)
+        assert got is not None and got[0] == v0 + 1 and got[1].memfd is not None
+        pub.close()  # its descriptors are closed: the workers can only map the subscriber's
+        with monkeypatch.context() as m:
+            for obj, name in ((vllm_backend._shared, "stage"), (backend_module, "write_file")):
+                m.setattr(obj, name, lambda *a: pytest.fail("a received version was copied"))
+            vllm_backend.load_weights(got[1], version=got[0])
+        assert vllm_backend.weight_transfer == "shared"
         report(f"load_weights (tiny model, {len(zeroed)} tensors): {vllm_backend.last_load_s * 1e3:.1f} ms")
         assert vllm_backend.version == v0 + 1
         assert vllm_backend.collective_rpc("treeopsd_param_sum", "embed_tokens") == [0.0]
@@ -157,44 +174,11 @@ def test_load_weights_in_place(
         assert res.cached_prefix_tokens == 0  # the prefix cache was reset with the weights
         assert all(abs(lp + math.log(VOCAB_SIZE)) < 1e-4 for lp in res.logprobs), res.logprobs
     finally:
-        vllm_backend.load_weights(original, version=v0 + 2)
-    after = vllm_backend.score(ctx + first.token_ids, len(ctx))
-    assert max(abs(a - b) for a, b in zip(before, after, strict=True)) < 1e-5
-
-
-def test_a_received_version_is_loaded_from_its_memfd_without_a_copy(
-    vllm_backend: Any, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A version polled from the publisher's sealed memfd reaches the workers through the descriptor the
-    subscriber holds: not copied into the sampler's memfd, no file, and the publisher may be gone by then."""
-    from safetensors.torch import load_file
-
-    from actors.policy import vllm_backend as backend_module
-    from actors.weight_subscriber import WeightSubscriber
-    from learner.weight_publisher import WeightPublisher
-
-    original = load_file(str(tiny_model_dir / "model.safetensors"))
-    zeroed = dict(original, **{"model.embed_tokens.weight": original["model.embed_tokens.weight"] * 0})
-    v0 = vllm_backend.version
-    pub = WeightPublisher(keep=1)
-    sub = WeightSubscriber(pub.endpoint)
-    try:
-        pub.publish(zeroed, v0 + 1)
-        got = sub.poll(timeout_ms=30_000)
-        assert got is not None and got[0] == v0 + 1 and got[1].memfd is not None
-        pub.close()  # its descriptors are closed: the workers can only map the subscriber's
-        copied = lambda *a: pytest.fail("a received version was copied")  # noqa: E731
-        monkeypatch.setattr(vllm_backend._shared, "stage", copied)
-        monkeypatch.setattr(backend_module, "write_file", copied)
-        vllm_backend.load_weights(got[1], version=got[0])
-        assert vllm_backend.weight_transfer == "shared" and vllm_backend.version == v0 + 1
-        assert vllm_backend.collective_rpc("treeopsd_param_sum", "embed_tokens") == [0.0]
-    finally:
-        monkeypatch.undo()
-        vllm_backend.load_weights(original, version=v0 + 2)
         sub.close()
         pub.close()
-    assert vllm_backend.collective_rpc("treeopsd_param_sum", "embed_tokens") != [0.0]
+        vllm_backend.load_weights(original, version=v0 + 2)  # staged: tensors of this process
+    after = vllm_backend.score(ctx + first.token_ids, len(ctx))
+    assert max(abs(a - b) for a, b in zip(before, after, strict=True)) < 1e-5
 
 
 def test_seeded_requests_replay(vllm_backend: Any) -> None:
