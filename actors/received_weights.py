@@ -10,12 +10,30 @@ kernel forbids writes and resizes to it, so every later reader sees the bytes th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import mmap
 import os
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 from system.weight_codec import TensorSpec
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14: map every page now, without breaking copy-on-write
+_SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW")) or -1
+
+
+def is_sealed(fd: int) -> bool:
+    """Whether the kernel refuses every write and resize of `fd`'s file (memfd seals), for every process."""
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if hasattr(fcntl, "F_GET_SEALS") else 0
+    return bool(seals & _SEALS == _SEALS)
+
+
+def prefault(buf: mmap.mmap) -> None:
+    """Map every page of a read mapping in one call (a private mapping stays shared until written)."""
+    with contextlib.suppress(OSError, ValueError):  # older kernels: the pages fault in one by one
+        buf.madvise(_MADV_POPULATE_READ)
 
 
 class SealedMemfd:

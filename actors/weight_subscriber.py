@@ -37,7 +37,6 @@ Not thread-safe: one thread polls.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import mmap
@@ -48,13 +47,11 @@ from typing import Any
 
 import zmq
 
-from actors.received_weights import ReceivedWeights, SealedMemfd
+from actors.received_weights import ReceivedWeights, SealedMemfd, is_sealed, prefault
 from system.weight_codec import WeightAssembler, WeightHeader, WeightMessageError
 from system.weight_wire import ANNOUNCE, BYE, CHUNK, GET, GONE, LATEST, META, NEED, NONE, VERSION
 
 log = logging.getLogger(__name__)
-_MADV_POPULATE_READ = 22  # Linux >= 5.14: map every page now, without breaking copy-on-write
-_SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW")) or -1
 
 
 class _Gone(Exception):
@@ -276,18 +273,16 @@ class WeightSubscriber:
                 raise WeightMessageError(f"v{header.version}: payload holds {st.st_size} bytes, header says "
                                          f"{header.total_bytes} (truncated?)")  # fmt: skip
             try:
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if hasattr(fcntl, "F_GET_SEALS") else 0
                 # Sealed against writes and resizes (kernel-enforced) right after the publisher's copy: these
                 # bytes cannot differ from the ones it wrote (and hashes, if asked): hashing proves nothing.
-                sealed = seals & _SEALS == _SEALS
+                sealed = is_sealed(fd)
                 trusted = sealed and not self.verify_sealed
                 if not (trusted or header.has_checksums):
                     return None  # nothing to check it against: wait for the announcement with checksums
                 buf = mmap.mmap(fd, header.total_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError:
                 return None  # cannot map it here: use the socket
-            with contextlib.suppress(OSError, ValueError):  # map every page now; writes would stay private
-                buf.madvise(_MADV_POPULATE_READ)
+            prefault(buf)
             # A sealed memfd stays open here with the version: a vLLM sampler's workers map it themselves.
             memfd = SealedMemfd(fd, header.total_bytes, header.tensors) if sealed else None
         finally:

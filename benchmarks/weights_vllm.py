@@ -64,6 +64,14 @@ def _load_once(backend: Any, payload: dict[str, Any], version: int, transfer: st
     return time.perf_counter() - t0
 
 
+def _poll_version(sub: Any, version: int) -> Any:
+    """The subscriber's next version, which must be `version` (published just before), within 120 s."""
+    got = sub.poll(timeout_ms=120_000)  # returns as soon as the version is in
+    if got is None or got[0] != version:
+        raise TimeoutError(f"bench weights: v{version} not received in 120 s (got {got and got[0]})")
+    return got[1]
+
+
 def _received(payload: dict[str, Any]) -> tuple[Any, Any, Any]:
     """`payload` published once and received by a subscriber here, as a sampler receives a version: views
     of the publisher's sealed memfd, which the subscriber holds open. -> (publisher, subscriber, version)."""
@@ -72,13 +80,13 @@ def _received(payload: dict[str, Any]) -> tuple[Any, Any, Any]:
 
     pub = WeightPublisher(keep=1)
     sub = WeightSubscriber(pub.endpoint)
-    pub.publish(payload, 1)
-    got = sub.poll(timeout_ms=120_000)  # returns as soon as the version is in
-    if got is None:
+    try:
+        pub.publish(payload, 1)
+        return pub, sub, _poll_version(sub, 1)
+    except BaseException:
         sub.close()
         pub.close()
-        raise TimeoutError("bench weights: the subscriber did not receive the published version in 120 s")
-    return pub, sub, got[1]
+        raise
 
 
 def _loads_side_by_side(backend: Any, payload: dict[str, Any], reps: int) -> dict[str, float]:
@@ -121,11 +129,9 @@ def _publish_to_engine(backend: Any, payload: dict[str, Any], reps: int) -> tupl
             _wait(ready, "the publisher's spare memfd and hash")
             t0 = time.perf_counter()
             pub.publish(payload, version)
-            got = sub.poll(timeout_ms=120_000)  # returns as soon as the version is in
-            if got is None or got[0] != version:
-                raise TimeoutError(f"bench weights: v{version} not received in 120 s (got {got and got[0]})")
+            got = _poll_version(sub, version)
             t1 = time.perf_counter()
-            backend.load_weights(got[1], version=got[0])
+            backend.load_weights(got, version=version)
             if version > 1000:
                 best, received = min(best, time.perf_counter() - t0), min(received, t1 - t0)
             del got
@@ -143,8 +149,12 @@ def run_vllm(quick: bool, reps: int) -> dict[str, Any]:
         payload = _checkpoint(Path(tmp) / "model", cfg)
         nbytes = sum(t.nbytes for t in payload.values())
         t0 = time.perf_counter()
-        extra = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256}
-        extra["dtype"] = "bfloat16"  # the payload's
+        extra = {
+            "skip_tokenizer_init": True,
+            "enforce_eager": True,
+            "max_model_len": 256,
+            "dtype": "bfloat16",
+        }
         backend = VLLMBackend(str(Path(tmp) / "model"), seed=0, extra_engine_args=extra)
         start_s = time.perf_counter() - t0
         try:

@@ -293,13 +293,15 @@ class VLLMBackend:
 
     def _stage(self, named_tensors: Mapping[str, Any]) -> StagedWeights:
         tensors = self._prepare_tensors(named_tensors)
-        source, memfd = None, getattr(named_tensors, "memfd", None)
-        if self.weight_transfer == "shared" and isinstance(memfd, SealedMemfd):
+        memfd = getattr(named_tensors, "memfd", None)
+        if self.weight_transfer != "shared":
+            return StagedWeights(tensors, None)
+        if isinstance(memfd, SealedMemfd):
             # Received through the publisher's sealed memfd: the workers map it; nothing is copied here.
             return StagedWeights(tensors, memfd.describe(tensors), memfd)
-        if self.weight_transfer == "shared":
-            with contextlib.suppress(OSError):  # staged again in `_load`, which falls back to a file
-                source = self._shared.stage(tensors)
+        source = None
+        with contextlib.suppress(OSError):  # staged again in `_load`, which falls back to a file
+            source = self._shared.stage(tensors)
         return StagedWeights(tensors, source)
 
     async def apply_weights(self, named_tensors: Mapping[str, Any] | StagedWeights, version: int) -> None:

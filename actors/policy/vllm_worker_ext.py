@@ -14,7 +14,8 @@ fails; `reload_weights` (vllm/model_executor/model_loader/reload/inplace.py) res
 layout per layer, loads, re-runs the post-load processing and copies the result into the original storage.
 
 vLLM asserts that no attribute of an extension clashes with the worker's, so every name here carries the
-`treeopsd_` prefix (a method named `update_weights` clashes). This module imports no vLLM code itself.
+`treeopsd_` prefix (a method named `update_weights` clashes).
+This module imports no vLLM code itself (only actors/received_weights.py, for the memfd checks).
 """
 
 from __future__ import annotations
@@ -43,25 +44,22 @@ class WeightLoaderExtension:
         """Load the tensors described by `source` (actors/policy/vllm_weights.py:SharedWeights.stage, or
         actors/received_weights.py:SealedMemfd.describe for a received version) from the memfd the sampler
         holds, mapped copy-on-write (never written, so never copied); return how many."""
-        import contextlib
-        import fcntl
         import mmap
         import os
 
         import torch
 
-        all_seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        from actors.received_weights import is_sealed, prefault
 
         fd = os.open(source["path"], os.O_RDONLY)
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (source["dev"], source["ino"]) or st.st_size < source["size"]:
                 raise RuntimeError(f"treeopsd: {source['path']} is not the sampler's weight memfd")
-            if source.get("sealed") and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & all_seals != all_seals:
+            if source.get("sealed") and not is_sealed(fd):
                 raise RuntimeError(f"treeopsd: {source['path']} is not sealed against writes")
             buf = mmap.mmap(fd, source["size"], mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-            with contextlib.suppress(OSError, ValueError):  # Linux >= 5.14: fault every page in at once
-                buf.madvise(22)  # MADV_POPULATE_READ: read-only, so still shared with the sampler's pages
+            prefault(buf)  # read only, so its pages stay shared with the sampler's
         finally:
             os.close(fd)
         tensors = []
