@@ -1,6 +1,11 @@
 """The asynchronous agent loop: every episode is a coroutine that advances on its own — generate a turn,
-run its tool call in a worker thread while other episodes generate, append the observation, generate the
-next turn — with at most `max_inflight` episodes in flight.
+run its tool call while other episodes generate, append the observation, generate the next turn — with at
+most `max_inflight` episodes in flight.
+
+A tool call runs in a worker thread of `tools` when it may block (a retrieval service over HTTP, a large
+corpus), or on the event loop itself when `tools` is None: an in-memory lookup of a few microseconds costs
+less than the hop to a thread and back, and on a busy loop that hop is what the episode waits for
+(`sampler.tool_calls`, actors/tree_sampler.py).
 
     runner = EpisodeRunner(server, env, chat, limits, gate, max_inflight=64, tools=pool, stats=stats)
     await runner.drive(gather_or_cancel(*(runner.run(e) for e in episodes)))
@@ -96,8 +101,11 @@ class EpisodeRunner:
         t1 = time.perf_counter()
         tokens = res.token_ids
         truncated = record_turn(e, tokens, res.logprobs, res.finish_reason, version, self.limits)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self.tools, step_turn, self.env, e, self.chat, tokens)
+        if self.tools is None:  # a fast in-process tool: no thread hop
+            result = step_turn(self.env, e, self.chat, tokens)
+        else:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self.tools, step_turn, self.env, e, self.chat, tokens)
         finish_turn(e, result, truncated, tokens, self.chat, self.limits)
         s = self.stats
         s["sampler/gen_s"] += t1 - t0

@@ -15,6 +15,7 @@ import numpy as np
 from actors.agent_loop import LoopLimits
 from actors.envs.base import Environment, Task
 from actors.failures import explain
+from actors.heap import freeze_long_lived
 from actors.protocols import bind_protocol
 from actors.tree_sampler import TreeSampler, TreeShape
 from configs.schema import Config
@@ -143,6 +144,8 @@ def sampler_parts(
         "prefix": f"s{index}i{incarnation}",
         "loop": cfg.sampler.loop,  # async: episodes advance on their own (actors/async_loop.py)
         "max_inflight": cfg.sampler.max_inflight_episodes,
+        "tool_calls": cfg.sampler.tool_calls,
+        "tool_threads": cfg.sampler.tool_threads,
     }
 
 
@@ -158,7 +161,9 @@ def build_sampler(
 ) -> TreeSampler:
     """The sampler role; `store` and `weights` are where its trees go and where its weights come from."""
     parts = sampler_parts(cfg, model_path, index, incarnation, backend)
-    return TreeSampler(**parts, store=store, weights=weights)
+    sampler = TreeSampler(**parts, store=store, weights=weights)
+    freeze_long_lived()  # engine, model, env and index: out of every full collection (actors/heap.py)
+    return sampler
 
 
 def load_tokenizer(model_path: str) -> Any:

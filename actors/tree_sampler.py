@@ -84,12 +84,20 @@ class TreeSampler:
         prefix: str = "s0",
         loop: str = "async",
         max_inflight: int = 64,
+        tool_calls: str = "auto",
+        tool_threads: int = 16,
     ) -> None:
         if loop not in ("async", "lockstep"):
             raise ValueError(f"loop must be 'async' or 'lockstep', got {loop!r}")
+        if tool_calls not in ("auto", "inline", "threads"):
+            raise ValueError(f"tool_calls must be 'auto', 'inline' or 'threads', got {tool_calls!r}")
         self.backend, self.env, self.chat = backend, env, chat
         self.shape, self.limits, self.weights, self.store = shape, limits, weights, store
         self.loop, self.max_inflight = loop, max_inflight
+        self.inline_tools = tool_calls == "inline" or (
+            tool_calls == "auto" and bool(getattr(env, "inline_tools", False))
+        )  # auto: the env says whether its tools are fast in-process lookups
+        self.tool_threads = tool_threads
         # every poll of the sink goes through one thread (the async loop polls while episodes run)
         self.poller = WeightPoller(weights) if weights is not None else None
         self._server: TurnServer | None = None
@@ -214,9 +222,14 @@ class TreeSampler:
             self._server = as_turn_server(self.backend)
         return self._server
 
-    def _tool_pool(self) -> ThreadPoolExecutor:
-        if self._tools is None:  # tool calls are blocking Python: threads keep the event loop free
-            self._tools = ThreadPoolExecutor(min(16, self.max_inflight), thread_name_prefix="tools")
+    def _tool_pool(self) -> ThreadPoolExecutor | None:
+        """None: tool calls run on the event loop (`inline_tools`). Otherwise a pool, because a tool that
+        may block (HTTP, a large index) must not hold up every other episode's next turn."""
+        if self.inline_tools:
+            return None
+        if self._tools is None:
+            threads = min(self.tool_threads, self.max_inflight)
+            self._tools = ThreadPoolExecutor(threads, thread_name_prefix="tools")
         return self._tools
 
     def _finish(self, p: _Tree) -> RolloutTree | None:

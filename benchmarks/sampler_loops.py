@@ -7,7 +7,10 @@ run, on the same engine):
    (vLLM: `AsyncLLM.generate` on its loop, no agent loop, no tree code), with the same dependencies the
    sampler had and no others: an episode's turns one after another (a turn's prompt holds the previous
    turn's output), a tree's branches after its trajectories, at most 64 episodes at once. Both phases start
-   from an empty prefix cache; the best of `repeats` counts. HF: the recorded batches, replayed on a fresh
+   from an empty prefix cache; the best of `repeats` counts (each repeat runs both, one after the other).
+   The default task's tools are in-memory lookups, so `sampler.tool_calls=auto` runs them on the event
+   loop (`sampler_64_tool_calls`; docs/design.md §13); the search and observation caches start empty in
+   every repeat, as in a sampler's first round. HF: the recorded batches, replayed on a fresh
    backend with the same seed.
 2. `async_over_lockstep`: trees/s of `sampler.loop=async` over `sampler.loop=lockstep`, same tasks, same
    seeds, on a long-tailed workload: tasks of 1 to 4 hops (episodes of 2 to 5 turns and more; branches
@@ -113,6 +116,15 @@ def _clean(backend: Any) -> None:
     gc.collect()
 
 
+def _cold_tools(worker: Any) -> None:
+    """Every repeat samples the same round: without this, the search and observation caches would hold
+    all of its answers after the first (a real run's later rounds reuse only the repeated queries)."""
+    for part in (getattr(worker.env, "index", None), worker.chat):
+        clear = getattr(part, "clear_cache", None)
+        if clear is not None:
+            clear()
+
+
 # ---- sampler_over_raw at 64 in flight ----------------------------------------------------------------------
 def _chains(turns: list[tuple[Any, Any]]) -> dict[str, tuple[list[list[Any]], list[list[Any]]]]:
     """Per tree: its trajectories' and its branches' turn chains (each in order), from the recorded turns.
@@ -181,26 +193,30 @@ def over_raw(cfg: Any, model: str, backend: Any, prompts: int, repeats: int) -> 
     """`sampler_over_raw_64`; see the module docstring."""
     rec = tap(backend)
     worker = _worker(cfg, model, rec, "async")
-    rng_state, best_s, best_r, runs = worker.rng.bit_generator.state, float("inf"), float("inf"), []
+    rng_state, runs, sampler_s, raw_runs_s = worker.rng.bit_generator.state, [], [], []
     for _ in range(repeats):
         worker.rng.bit_generator.state, worker.counter, rec.turns, rec.calls = rng_state, 0, [], []
         _clean(backend)
+        _cold_tools(worker)
         t0 = time.perf_counter()
         trees = worker.sample(prompts)
-        best_s = min(best_s, time.perf_counter() - t0)
+        sampler_s.append(time.perf_counter() - t0)
         runs.append((trees, rec.turns, rec.calls))
         _clean(backend)
         if isinstance(rec, AsyncTurnTap):
             raw_s, same = backend.run_async(_replay_vllm(backend, rec.turns))
         else:
             raw_s, same = _replay_batches(cfg, model, rec.calls)
-        best_r = min(best_r, raw_s)
+        raw_runs_s.append(raw_s)
+    best_s, best_r = min(sampler_s), min(raw_runs_s)
     trees, turns, _ = runs[0]
     tokens = sum(len(r.token_ids) for _, r in turns)
     st, peak = worker.stats, worker.stats.get("sampler/inflight_peak", 0.0)
     n_turns = max(1.0, st.get("sampler/turns", 0.0))  # over every repeat, as are gen_s and tool_s
     worker.close()
     return {
+        "sampler_64_tool_calls": "inline" if worker.inline_tools else "threads",  # sampler.tool_calls=auto
+        "sampler_64_repeats": repeats,
         "sampler_64_mean_inflight": round(st.get("sampler/inflight_episodes", 0.0), 1),  # the last repeat
         "sampler_64_gen_ms_per_turn": round(1000 * st.get("sampler/gen_s", 0.0) / n_turns, 1),
         "sampler_64_tool_ms_per_turn": round(1000 * st.get("sampler/tool_s", 0.0) / n_turns, 1),
@@ -209,6 +225,8 @@ def over_raw(cfg: Any, model: str, backend: Any, prompts: int, repeats: int) -> 
         "inflight_64_tokens": tokens,
         "inflight_64_peak_episodes": int(peak),
         "sampler_64_s": round(best_s, 3),
+        "sampler_64_runs_s": [round(x, 3) for x in sampler_s],  # each repeat, in order
+        "raw_64_runs_s": [round(x, 3) for x in raw_runs_s],
         "sampler_64_tokens_per_s": round(tokens / best_s, 1),
         "raw_64_s": round(best_r, 3),
         "raw_64_tokens_per_s": round(tokens / best_r, 1),

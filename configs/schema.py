@@ -199,6 +199,10 @@ class SamplerConfig(_Section):
     # gathered batches (HF); lockstep: one backend call per round of turns (docs/design.md §13)
     loop: Literal["async", "lockstep"] = "async"
     max_inflight_episodes: PosInt = 64  # episodes being sampled at once per sampler (async loop)
+    # async loop: where tool calls run. threads: a pool of tool_threads (tools that may block: HTTP, a
+    # large index); inline: on the event loop (fast in-process tools); auto: inline when the env says so
+    tool_calls: Literal["auto", "inline", "threads"] = "auto"
+    tool_threads: PosInt = 16
     # vLLM engine arguments (vLLM's names; defaults per platform: actors/policy/vllm_engine.py)
     engine: Annotated[
         dict[str, Any], AfterValidator(check_engine_args), Allowed("a mapping of vLLM engine arguments")

@@ -9,6 +9,8 @@ term) are never returned, so a result list can be shorter than ``topk``.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,9 @@ def _tokenize(texts: list[str], *, return_ids: bool) -> Any:
     return bm25s.tokenize(texts, stopwords="en", return_ids=return_ids, show_progress=False)
 
 
+QUERY_CACHE = 8192  # distinct (query, topk) kept per index (hits share the index's texts: ~1 KB each)
+
+
 class Bm25Index:
     """An in-memory BM25 index over ``(ids, texts)``; ``texts`` are what the search tool returns."""
 
@@ -67,6 +72,12 @@ class Bm25Index:
             _retriever = bm25s.BM25()
             _retriever.index(_tokenize(self.texts, return_ids=True), show_progress=False)
         self._bm25 = _retriever
+        # The search tool of a tree's episodes repeats the same queries (every trajectory looks up the
+        # same first hop); the index is immutable, so a query's hits are computed once. A lock: the
+        # sampler's tool threads and the retrieval service's handlers share one index.
+        self._hits: OrderedDict[tuple[str, int], tuple[dict[str, Any], ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cache_hits = self.cache_misses = 0
 
     @classmethod
     def from_passages(cls, passages: Sequence[Passage]) -> Bm25Index:
@@ -85,11 +96,40 @@ class Bm25Index:
     def search(self, queries: Sequence[str], topk: int) -> list[list[dict[str, Any]]]:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
-        tokenized = _tokenize(list(queries), return_ids=False) if queries else []
-        return [self._search_tokens(tokens, topk) for tokens in tokenized]
+        found = self._cached(queries, topk)
+        misses = list(dict.fromkeys(q for q in queries if q not in found))
+        if misses:  # tokenized together: bm25s pays per call, a service batch has many queries
+            tokenized = _tokenize(misses, return_ids=False)
+            fresh = {q: tuple(self._search_tokens(t, topk)) for q, t in zip(misses, tokenized, strict=True)}
+            self._remember(fresh, topk)
+            found.update(fresh)
+        return [[dict(hit) for hit in found[q]] for q in queries]  # copies: callers own them
 
     def search_one(self, query: str, topk: int) -> list[dict[str, Any]]:
         return self.search([query], topk)[0]
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._hits.clear()
+
+    def _cached(self, queries: Sequence[str], topk: int) -> dict[str, tuple[dict[str, Any], ...]]:
+        found = {}
+        with self._lock:
+            for q in queries:
+                hits = self._hits.get((q, topk))
+                if hits is not None:
+                    self._hits.move_to_end((q, topk))
+                    found[q] = hits
+            self.cache_hits += sum(q in found for q in queries)
+            self.cache_misses += sum(q not in found for q in queries)
+        return found
+
+    def _remember(self, fresh: dict[str, tuple[dict[str, Any], ...]], topk: int) -> None:
+        with self._lock:
+            for q, hits in fresh.items():
+                self._hits[(q, topk)] = hits
+            while len(self._hits) > QUERY_CACHE:
+                self._hits.popitem(last=False)
 
     def _search_tokens(self, tokens: list[str], topk: int) -> list[dict[str, Any]]:
         known = [t for t in tokens if t in self._bm25.vocab_dict]

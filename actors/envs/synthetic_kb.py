@@ -268,6 +268,12 @@ class SyntheticKBEnv(ToolEnv):
         search = Tool("search", "Search the knowledge base; returns matching facts.", "query", self.search)
         super().__init__([search], SYSTEM_PROMPT, max_turns)
 
+    @property
+    def inline_tools(self) -> bool:
+        """A local index of this small KB answers in microseconds: the async loop calls it on its event
+        loop (`sampler.tool_calls=auto`). A retrieval-service client waits on HTTP: threads."""
+        return isinstance(self.index, Bm25Index)
+
     def search(self, query: str) -> str:
         hits = self.index.search_one(query, self.topk)
         return "\n".join(h["contents"] for h in hits) if hits else "no results"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from actors.envs.tool_calls import ParseError, ToolCall, strip_think
@@ -119,6 +120,9 @@ def stops_for(tokenizer: Any, closers: Sequence[str]) -> tuple[tuple[int, ...], 
     return tuple(ids), tuple(strings)
 
 
+ENCODE_CACHE = 4096  # distinct texts kept encoded per protocol (observations are a few hundred bytes)
+
+
 class AgentProtocol:
     """How the agent writes calls and sees results. The agent loop uses `stop_token_ids`, `stop_strings`,
     `initial_context`, `decode_turn` and `observation_tokens`; `ProtocolEnv` uses `parse` and
@@ -138,6 +142,10 @@ class AgentProtocol:
         self.stop_token_ids: tuple[int, ...] = tuple(
             sorted({self.eot_id, *stop_ids, *([int(eos)] if eos is not None else [])})
         )
+        # Episodes of one tree see the same tool results again and again (the same search, a branch's
+        # repeat of its trunk's call): their ids are encoded once. The tokenizer is deterministic, so a
+        # cached encoding is the encoding; thread-safe, for tool calls in the sampler's pool.
+        self._encode_cached = lru_cache(maxsize=ENCODE_CACHE)(self._encode_uncached)
 
     # ---- what subclasses define -------------------------------------------------------------------
     def closers(self) -> tuple[str, ...]:
@@ -167,7 +175,13 @@ class AgentProtocol:
         return self.encode(text)
 
     def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+        return list(self._encode_cached(text))
+
+    def clear_cache(self) -> None:
+        self._encode_cached.cache_clear()
+
+    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+        return tuple(int(i) for i in self.tokenizer.encode(text, add_special_tokens=False))
 
     def turn_closed(self, turn: Sequence[int] | None) -> bool:
         """Whether the sampled turn ended with the end-of-turn token (None: assume so, for callers that

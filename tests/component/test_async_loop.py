@@ -109,21 +109,37 @@ def assert_same_trees(a: list[Any], b: list[Any], atol: float) -> None:
 
 
 def _both_loops(
-    backend: Any, env: Any, chat: Any, shape: TreeShape, limits: LoopLimits, n: int, inflight: int
+    backend: Any,
+    env: Any,
+    chat: Any,
+    shape: TreeShape,
+    limits: LoopLimits,
+    n: int,
+    inflight: int,
+    tool_calls: str = "auto",
 ):
     tasks = env.tasks("train", n=n)
     lock = TreeSampler(backend, env, chat, shape, limits, loop="lockstep")
     a = lock.sample_trees(tasks, np.random.default_rng(0))
-    run = TreeSampler(backend, env, chat, shape, limits, loop="async", max_inflight=inflight)
+    run = TreeSampler(
+        backend, env, chat, shape, limits, loop="async", max_inflight=inflight, tool_calls=tool_calls
+    )
     b = run.sample_trees(tasks, np.random.default_rng(0))
     return a, b, run
 
 
-def test_async_trees_equal_lockstep_trees_with_branches(kb_env: SyntheticKBEnv, tokenizer: Any) -> None:
+@pytest.mark.parametrize("tool_calls", ["auto", "threads"])
+def test_async_trees_equal_lockstep_trees_with_branches(
+    kb_env: SyntheticKBEnv, tokenizer: Any, tool_calls: str
+) -> None:
+    """Tool calls on the event loop (auto: the KB's local index is a fast lookup) or in the thread pool:
+    the same trees either way."""
     backend = SeededScripted(tokenizer)
     chat = ChatFormat.from_tokenizer(tokenizer)
     limits = LoopLimits(max_turns=4, max_turn_tokens=24, token_budget=400)
-    a, b, run = _both_loops(backend, kb_env, chat, TreeShape(M=3, N=2), limits, n=6, inflight=4)
+    a, b, run = _both_loops(backend, kb_env, chat, TreeShape(M=3, N=2), limits, 6, 4, tool_calls)
+    assert run.inline_tools is (tool_calls == "auto")
+    assert (run._tools is None) is (tool_calls == "auto")  # no pool was made for inline tool calls
     assert sum(t.num_leaves for t in a) > 6 * 3  # some branches were sampled: the comparison covers them
     assert_same_trees(a, b, atol=0.0)
     # 6 trees x 3 trajectories start at once: the bound holds them at 4 in flight
@@ -186,3 +202,20 @@ def test_a_version_arriving_mid_episode_is_stamped_on_later_turns(
     assert mixed > 0  # the version came mid-episode: some episodes have turns of both
     assert exact > 0
     assert sampler.stats["sampler/paused_for_weights_s"] >= sampler.stats["weights/apply_s"]
+
+
+def test_auto_tool_calls_take_threads_for_a_retrieval_service(kb_env: SyntheticKBEnv, tokenizer: Any) -> None:
+    """`sampler.tool_calls=auto`: the KB's own index is called on the event loop; the same env searching
+    through the retrieval service (an HTTP client: it may block) gets the thread pool."""
+    from actors.envs.retrieval_client import RetrievalClient
+
+    remote = SyntheticKBEnv(kb=kb_env.kb, index=RetrievalClient("http://127.0.0.1:9"))  # never called
+    chat, limits = ChatFormat.from_tokenizer(tokenizer), LoopLimits()
+    backend = SeededScripted(tokenizer)
+    assert (kb_env.inline_tools, remote.inline_tools) == (True, False)
+    assert TreeSampler(backend, kb_env, chat, TreeShape(), limits).inline_tools is True
+    assert TreeSampler(backend, remote, chat, TreeShape(), limits).inline_tools is False
+    forced = TreeSampler(backend, remote, chat, TreeShape(), limits, tool_calls="inline")
+    assert forced.inline_tools is True
+    with pytest.raises(ValueError, match="tool_calls must be 'auto', 'inline' or 'threads', got 'fast'"):
+        TreeSampler(backend, kb_env, chat, TreeShape(), limits, tool_calls="fast")

@@ -72,6 +72,18 @@ def test_plain_is_chatformat_on_the_tiny_chatml_tokenizer(env):
     assert make_protocol("auto", tok, env).name == "plain"  # ChatML ignores tools=
 
 
+def test_an_observation_seen_again_is_encoded_once_and_the_same(env, qtok):
+    proto = make_protocol("qwen3", qtok, env)
+    turn = [*enc(qtok, "<tool_call>{}</tool_call>"), proto.eot_id]  # closed: no <|im_end|> lead
+    before = proto._encode_cached.cache_info()
+    first = proto.observation_tokens("The mentor of A is B.", turn)
+    first.append(-1)  # the caller owns its list: the cached ids are not touched
+    again = proto.observation_tokens("The mentor of A is B.", turn)
+    info = proto._encode_cached.cache_info()
+    assert (info.hits - before.hits, info.misses - before.misses) == (1, 1)  # encoded once, served once
+    assert again == enc(qtok, QWEN3_TOOL_TURN.format("The mentor of A is B."))
+
+
 def test_qwen3_first_prompt_is_the_templates_rendering_with_tools(env, qtok):
     p = make_protocol("qwen3", qtok, env)
     assert make_protocol("auto", qtok, env).name == "qwen3"

@@ -214,3 +214,22 @@ def test_index_rejects_duplicates_and_empty() -> None:
         Bm25Index(["a", "a"], ["x y", "y z"])
     with pytest.raises(ValueError, match="empty corpus"):
         Bm25Index([], [])
+
+
+def test_repeated_queries_come_from_the_cache_and_equal_a_fresh_search(monkeypatch) -> None:
+    import actors.envs.search as search
+
+    idx, fresh = Bm25Index.from_passages(PASSAGES), Bm25Index.from_passages(PASSAGES)
+    queries = ["Tavo Mirel mentor", "Quinto", "Tavo Mirel mentor"]
+    first = idx.search(queries, 2)
+    # 3 queries, 2 distinct: all 3 missed (the repeat was in the same call), then 3 hits of 3
+    assert (idx.cache_hits, idx.cache_misses) == (0, 3)
+    first[0][0]["contents"] = "changed by the caller"  # callers get copies: the cache keeps its own
+    again = idx.search(queries, 2)
+    assert (idx.cache_hits, idx.cache_misses) == (3, 3)
+    assert again == fresh.search(queries, 2) and again[0][0]["contents"] == PASSAGES[0].text
+    idx.search_one("Quinto", 3)  # another topk is another entry
+    assert idx.cache_misses == 4
+    monkeypatch.setattr(search, "QUERY_CACHE", 2)
+    idx.search_one("capital Zorbia", 2)  # 4 entries > 2: the two least recently used go
+    assert list(idx._hits) == [("Quinto", 3), ("capital Zorbia", 2)]
