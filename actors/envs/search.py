@@ -120,8 +120,9 @@ class Bm25Index:
                 if hits is not None:
                     self._hits.move_to_end((q, topk))
                     found[q] = hits
-            self.cache_hits += sum(q in found for q in queries)
-            self.cache_misses += sum(q not in found for q in queries)
+            served = sum(q in found for q in queries)  # per query asked: a repeat counts again
+            self.cache_hits += served
+            self.cache_misses += len(queries) - served
         return found
 
     def _remember(self, fresh: dict[str, tuple[dict[str, Any], ...]], topk: int) -> None:
