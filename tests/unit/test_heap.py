@@ -22,7 +22,9 @@ def test_freeze_collects_first_and_takes_the_living_out_of_collections() -> None
     try:
         frozen = freeze_long_lived()
         assert gone() is None  # collected before the freeze, not frozen with the rest
-        assert frozen == gc.get_freeze_count() > before
+        # The session's other threads (Ray's and vLLM's clients) may free frozen objects between the two
+        # readings (a loaded run saw 995,415 then 995,409), so the later count may only be lower.
+        assert before < gc.get_freeze_count() <= frozen
         assert all(o is not alive for o in gc.get_objects())  # frozen: no generation tracks it now
     finally:
         gc.unfreeze()  # back into the oldest generation: the rest of the session collects as usual
