@@ -10,7 +10,13 @@ it equals wall time, and on a shared machine it leaves out the time the schedule
 the minimum over repetitions (contention only ever adds time). `models.*.wall_*` keep the wall-clock minima
 and medians for comparison.
 
-Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 / 4 layers as well):
+Models: the headline figures are measured on the reference model `ref_h256_l4` (hidden 256, 4 layers, 4
+heads / 2 KV heads, MLP 512, vocab 1024: 4.2 M parameters), where the decoder layers carry most of a step's
+work, as in real LLMs; the `*_tiny` keys repeat them for the tiny model of the tests (hidden 64, 2 layers:
+0.2 M parameters), where the LM head over the loss tokens and the per-kernel dispatch are a large fixed share
+of each forward. `--quick` runs the tiny model only (and reports it under the headline keys too).
+
+Keys (`models` holds every model's step times):
     packed_step_s        tree-packed step (every stored token once, block-sparse tree attention)
     paths_step_s         path-by-path step: one causal sequence per leaf, varlen-packed without padding and
                          run through the same attention kernel, so only the repeated prefixes differ
@@ -19,11 +25,12 @@ Keys (headline = the tiny model, hidden 64 / 2 layers; `models` has hidden 128 /
     packed_dense_mask_step_s  tree-packed with the dense 4D float mask (eager/sdpa), tiny model only
     tokens_packed, tokens_paths  tokens forwarded per step by each layout
     packed_speedup_limit tokens_paths / tokens_packed: what packing would give if time were ∝ tokens;
-                         packed_speedup_of_limit = packed_speedup / that limit (goal ≥ 0.9);
-                         packed_speedup_of_limit_h128 the same for the hidden-128 / 4-layer model, where
-                         per-kernel dispatch is a smaller share of the step
-    microbatch_*, attention  token-budget micro-batches and long-tree attention (learner_microbatch.py);
-                         microbatch_overhead_h128 is microbatch_overhead for the hidden-128 / 4-layer model
+                         packed_speedup_of_limit = packed_speedup / that limit (goal ≥ 0.9). Only the
+                         decoder's per-token work scales with that ratio: attention costs ∝ each token's
+                         context, and the shared tokens packing removes are the early ones with short
+                         contexts; the LM head runs on loss tokens only, and the prompt (shared by every
+                         leaf) is none. So the fraction rises with the decoder's share of the step.
+    microbatch_*, attention  token-budget micro-batches and long-tree attention (learner_microbatch.py)
 """
 
 from __future__ import annotations
@@ -138,10 +145,36 @@ def _bench_model(model, trees: list[RolloutTree], reps: int, dense: bool) -> dic
     return out
 
 
-def _of_limit(models: dict[str, dict[str, float]], name: str, tokens_packed: int, tokens_paths: int) -> float:
-    """`name`'s packed speedup over its limit (the tiny model's where `name` did not run: --quick)."""
-    speedup = models.get(name, models["tiny_h64_l2"])["packed_speedup"]
-    return speedup * tokens_packed / tokens_paths
+TINY, REFERENCE = "tiny_h64_l2", "ref_h256_l4"
+SHAPES = {TINY: (64, 2, 2, 1), REFERENCE: (256, 4, 4, 2)}  # hidden, layers, heads, KV heads
+REPS = {TINY: 7, REFERENCE: 3}  # interleaved repetitions per configuration (the minimum counts)
+MICRO_REPS = {TINY: 10, REFERENCE: 3}  # a tiny step's CPU time varies by ±15% on a shared machine
+
+
+def _build(tok, name: str):  # type: ignore[no-untyped-def]
+    hidden, layers, heads, kv = SHAPES[name]
+    return build_tiny_model(tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, max_positions=4096)
+
+
+def _model_figures(tok, trees: list[RolloutTree], name: str, quick: bool, tokens: tuple[int, int]) -> dict:  # type: ignore[no-untyped-def]
+    """One model's packed-vs-paths step times and its micro-batch overhead."""
+    model = _build(tok, name)
+    model.config._attn_implementation = "sdpa"
+    steps = _bench_model(model, trees, 1 if quick else REPS[name], dense=name == TINY and not quick)
+    packed, paths = tokens
+    scale = microbatch_overhead(_build(tok, name), trees, reps=1 if quick else MICRO_REPS[name])
+    return {
+        "steps": steps,
+        "headline": {
+            "packed_step_s": steps["packed_step_s"],
+            "paths_step_s": steps["paths_step_s"],
+            "packed_speedup": steps["packed_speedup"],
+            "packed_speedup_of_limit": round(steps["packed_speedup"] * packed / paths, 3),
+            "paths_padded_step_s": steps["paths_padded_step_s"],
+            "packed_speedup_vs_padded": steps["packed_speedup_vs_padded"],
+            **scale,
+        },
+    }
 
 
 def run(args) -> dict:
@@ -152,44 +185,23 @@ def run(args) -> dict:
     cfg = parse_config({})
     trees = [credit_rollout_tree(random_rollout_tree(rng, f"t{i}", len(tok)), cfg.algo) for i in range(8)]
     tokens_paths = int(pack_paths(trees).valid.sum())
-    shapes = (
-        {"tiny_h64_l2": (64, 2, 2, 1)} if quick else {"tiny_h64_l2": (64, 2, 2, 1), "h128_l4": (128, 4, 4, 2)}
-    )
-    models = {}
-    for name, (hidden, layers, heads, kv) in shapes.items():
-        model = build_tiny_model(
-            tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, max_positions=4096
-        )
-        model.config._attn_implementation = "sdpa"
-        reps = 1 if quick else (7 if name.startswith("tiny") else 4)
-        models[name] = _bench_model(model, trees, reps, dense=name.startswith("tiny") and not quick)
-    head = models["tiny_h64_l2"]
     tokens_packed = int(sum(t.num_tokens for t in trees))
-    tiny = build_tiny_model(tok, hidden=64, layers=2, heads=2, kv_heads=1, max_positions=4096)
-    # 10 interleaved repetitions: a step's CPU time varies by ±15% on this shared machine (the minimum counts)
-    scale = microbatch_overhead(tiny, trees, reps=1 if quick else 10)
-    if not quick:  # the same figure where per-kernel dispatch is a smaller share of each micro-batch
-        hidden, layers, heads, kv = shapes["h128_l4"]
-        h128 = build_tiny_model(
-            tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, max_positions=4096
-        )
-        scale["microbatch_overhead_h128"] = microbatch_overhead(h128, trees, reps=5)["microbatch_overhead"]
+    names = [TINY] if quick else [TINY, REFERENCE]
+    figures = {n: _model_figures(tok, trees, n, quick, (tokens_packed, tokens_paths)) for n in names}
+    head = figures[names[-1]]["headline"]
+    tiny = {f"{k}_tiny": v for k, v in figures[TINY]["headline"].items()}
     attention = attention_scaling((2,) if quick else (2, 8, 32))
     return {
-        "packed_step_s": head["packed_step_s"],
-        "paths_step_s": head["paths_step_s"],
-        "packed_speedup": head["packed_speedup"],
+        **head,
         "packed_speedup_limit": round(tokens_paths / tokens_packed, 3),  # the speedup if time ∝ tokens
-        "packed_speedup_of_limit": round(head["packed_speedup"] * tokens_packed / tokens_paths, 3),
-        "packed_speedup_of_limit_h128": round(_of_limit(models, "h128_l4", tokens_packed, tokens_paths), 3),
-        **scale,
+        "headline_model": names[-1],
+        "headline_params": sum(p.numel() for p in _build(tok, names[-1]).parameters()),
+        **tiny,
         **_attention_headline(attention),
         "attention": attention,
         "tokens_packed": tokens_packed,
         "tokens_paths": tokens_paths,
-        "paths_padded_step_s": head["paths_padded_step_s"],
-        "packed_speedup_vs_padded": head["packed_speedup_vs_padded"],
-        "models": models,
+        "models": {n: f["steps"] for n, f in figures.items()},
         "trees": len(trees),
         "leaves": int(sum(t.num_leaves for t in trees)),
         "minibatches": 4,

@@ -70,7 +70,7 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         "packed_speedup_of_limit",
         ">=",
         0.9,
-        ("packed_speedup", "packed_speedup_limit", "packed_speedup_of_limit_h128"),
+        ("packed_speedup", "packed_speedup_limit", "packed_speedup_of_limit_tiny"),
         "packed speedup over its limit tokens_paths / tokens_packed",
     ),
     (
@@ -82,7 +82,7 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
             "four_microbatch_step_s",
             "one_microbatch_step_s",
             "microbatch_recomputed_frac",
-            "microbatch_overhead_h128",
+            "microbatch_overhead_tiny",
         ),
         "step with ~4 token-budget micro-batches per mini-batch over one",
     ),
