@@ -11,7 +11,7 @@ the minimum over repetitions (contention only ever adds time). `models.*.wall_*`
 and medians for comparison.
 
 Models: the headline figures are measured on the reference model `ref_h256_l4` (hidden 256, 4 layers, 4
-heads / 2 KV heads, MLP 512, vocab 1024: 4.2 M parameters), where the decoder layers carry most of a step's
+heads / 2 KV heads, MLP 1024, vocab 1024: 4.2 M parameters), where the decoder layers carry most of a step's
 work, as in real LLMs; the `*_tiny` keys repeat them for the tiny model of the tests (hidden 64, 2 layers:
 0.2 M parameters), where the LM head over the loss tokens and the per-kernel dispatch are a large fixed share
 of each forward. `--quick` runs the tiny model only (and reports it under the headline keys too).
