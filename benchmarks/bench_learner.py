@@ -165,6 +165,7 @@ def _model_figures(tok, trees: list[RolloutTree], name: str, quick: bool, tokens
     scale = microbatch_overhead(_build(tok, name), trees, reps=1 if quick else MICRO_REPS[name])
     return {
         "steps": steps,
+        "params": sum(p.numel() for p in model.parameters()),
         "headline": {
             "packed_step_s": steps["packed_step_s"],
             "paths_step_s": steps["paths_step_s"],
@@ -195,7 +196,7 @@ def run(args) -> dict:
         **head,
         "packed_speedup_limit": round(tokens_paths / tokens_packed, 3),  # the speedup if time ∝ tokens
         "headline_model": names[-1],
-        "headline_params": sum(p.numel() for p in _build(tok, names[-1]).parameters()),
+        "headline_params": figures[names[-1]]["params"],
         **tiny,
         **_attention_headline(attention),
         "attention": attention,
