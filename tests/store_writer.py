@@ -7,6 +7,11 @@ Run as a script (the parent reads its stdout line by line; every line is flushed
         fifth commit large) forever. Prints "begin <ids>" before a commit and "ok <ids>" after it returned.
     python tests/store_writer.py consume DIR N [DIE_AT]
         prints "ready", then take_batch(N) until None; prints "batch <k> <ids>" after each returned.
+    python tests/store_writer.py read DIR MAX_S
+        prints "ready", then polls: opens the store read-only, reads every visible tree and checks it against
+        make_tree; prints "poll <k> <temp files seen> <new ids>" per poll, or "error <what>" (a committed
+        file reported, a visible tree lost or different). When stdin closes (or after MAX_S): a last poll,
+        then "done".
 
 DIE_AT makes the child SIGKILL itself at an exact point of its 2nd commit/take (``torn_tmp``: half the temp
 file written; ``before_rename``; ``after_rename``: renamed, directory not yet fsynced; ``log_torn``: half a
@@ -16,9 +21,12 @@ parent kills the child at a random moment.
 
 from __future__ import annotations
 
+import itertools
 import os
+import select
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -133,8 +141,46 @@ def consume(directory: str, n: int) -> None:
     _say("done")
 
 
+def _poll(directory: str, seen: set[str]) -> tuple[list[int], int]:
+    """One read-only open: (ids new since the last poll, temp files reported). Raises on a broken promise."""
+    with ReplayStore(directory, create=False, readonly=True, validate="structure") as store:
+        ids, report = store.tree_ids(), store.recovery_report
+        rows = store.read_columns(ids, ["tree_id"]).column("tree_id").to_pylist()  # maps every segment
+        new = [t for t in ids if t not in seen]
+        trees = store.get_trees(new)
+    bad = [r for r in report if r["committed"] or r["moved_to"] or "temp file" not in r["reason"]]
+    if bad:
+        raise AssertionError(f"a read-only open reported or moved more than a temp file: {bad}")
+    if lost := seen - set(ids):
+        raise AssertionError(f"visible before, gone now: {sorted(lost)[:5]}")
+    if set(rows) != set(ids):
+        raise AssertionError(f"read_columns rows {len(set(rows))} trees, tree_ids {len(ids)}")
+    for tree in trees:
+        i = int(tree.tree_id[1:])
+        if not (tree.equals(make_tree(i)) or tree.equals(make_tree(i, big=True))):
+            raise AssertionError(f"{tree.tree_id} differs from make_tree({i})")
+    seen.update(new)
+    return sorted(int(t[1:]) for t in new), len(report)
+
+
+def read(directory: str, max_s: int) -> None:
+    seen: set[str] = set()
+    deadline = time.monotonic() + max_s
+    _say("ready")
+    for k in itertools.count():
+        last = bool(select.select([sys.stdin], [], [], 0)[0]) or time.monotonic() > deadline  # stdin closed
+        try:
+            new, temp = _poll(directory, seen)
+            _say(f"poll {k} {temp} " + " ".join(map(str, new)))
+        except Exception as e:  # reported to the parent, which fails the test; keep polling
+            _say(f"error {type(e).__name__}: {e}".replace("\n", " "))
+        if last:
+            break
+    _say("done" if time.monotonic() <= deadline else f"error no stop within {max_s} s")
+
+
 if __name__ == "__main__":
     mode, directory, arg = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if len(sys.argv) > 4:
         _arm(sys.argv[4])
-    write(directory, arg) if mode == "write" else consume(directory, arg)
+    {"write": write, "consume": consume, "read": read}[mode](directory, arg)

@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from actors.policy.vllm_engine import EngineLoop, engine_args
+from actors.policy.vllm_engine import EngineLoop, engine_args, token_prompt_class
 from actors.policy.vllm_weights import SharedWeights, StagedWeights, memfd_available, write_file
 from actors.received_weights import SealedMemfd
 from system.policy import SampleRequest, SampleResult, SamplingConfig, mix_seed
@@ -133,12 +133,11 @@ class VLLMBackend:
         "shared" or "file"; `apply_timeout_s` bounds a load's RPC (`weights.apply_timeout_s`).
         """
         vllm = _import_vllm()
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         if weight_transfer not in ("auto", "shared", "file"):
             raise ValueError(f"weight_transfer must be 'auto', 'shared' or 'file', got {weight_transfer!r}")
-        self._params_cls, self._prompt_cls = vllm.SamplingParams, TokensPrompt
+        self._params_cls, self._prompt_cls = vllm.SamplingParams, token_prompt_class()
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.sampling, self.version, self.model_path = sampling, 0, model_path
         self._seed = sampling.seed if sampling.seed is not None else seed

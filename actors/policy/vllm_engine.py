@@ -2,7 +2,7 @@
 engine arguments a sampler starts it with.
 
     engine = EngineLoop(engine_args(model_path, cfg.sampler.engine, seed=7))
-    out = engine.run(engine.generate(TokensPrompt(prompt_token_ids=ids), params, "req-1"))  # blocking
+    out = engine.run(engine.generate(tokens_input(ids), params, "req-1"))  # blocking
     trees = engine.run(sample_trees_async(...))     # the agent loop itself runs on the engine's loop
 
 Why a loop thread: AsyncLLM's output handler is a task of the loop it was created on, and the sampler's
@@ -65,6 +65,21 @@ def engine_args(
         args["seed"] = seed
     args.update(overrides or {})
     return args
+
+
+def token_prompt_class() -> Any:
+    """How a turn's ids go to the engine, called as f(prompt_token_ids=ids): vLLM's rendered token input
+    (`tokens_input`, `type: "token"`) where this vLLM has it (0.32 does), else the plain `TokensPrompt`.
+    The engine takes a rendered input on its loop as it is; a plain TokensPrompt is rendered in vLLM's
+    renderer thread first, a hop per turn that waits for the GIL while the agent loop holds it (and a
+    path vLLM deprecates)."""
+    try:
+        from vllm.inputs.engine import tokens_input
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt
+    return tokens_input
 
 
 class EngineLoop:

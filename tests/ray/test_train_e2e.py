@@ -4,6 +4,7 @@ SIGKILL the learner (resume continues with no batch trained twice and none skipp
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from configs.schema import load_config
 from launch.ray_run import Driver, start_topology, stop_topology
 from launch.restart_policy import RoleFailed
 from storage.metrics import MemorySink, TensorboardSink, read_scalars
+from storage.replay_store import ReplayStore
 from storage.store_verify import verify_store
 from tests.waiting import wait_until
 
@@ -35,6 +37,17 @@ def small_cfg(run_dir, **extra):
 
 def pids(topo):
     return {r.actor_id: r.get() for r in topo.manager.foreach_actor("pid", timeout_seconds=30) if r.ok}
+
+
+def trained_lags(store_dir: Path) -> list[list[int]]:
+    """Per trained batch k, each tree's version lag: the learner's version when it trained batch k (k: one
+    step, one version, from 0) minus the oldest version that sampled any of the tree's turns. Read from the
+    store's consumed log and the stored trees, not from the learner's metrics."""
+    with ReplayStore(store_dir, create=False, readonly=True) as store:
+        return [
+            [k - int(t.versions.min()) for t in store.get_trees(store.batch_tree_ids(k))]
+            for k in range(store.watermark())
+        ]
 
 
 def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path, tiny_model_dir):
@@ -67,6 +80,12 @@ def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path
         sink.close()
     result = verify_store(tmp_path / "store")
     assert result.ok, result.errors
+    # Staleness bounded by admission (docs/design.md §4), per tree, with η = 1: a tree admitted at learner
+    # version v is trained by v + η, and its turns may carry weights one version older than v (a sampler
+    # applies a broadcast between turns), so every lag is ≤ η + 1 = 2.
+    lags = trained_lags(tmp_path / "store")
+    assert len(lags) == 4 and all(len(b) == 2 for b in lags)  # 4 batches of B = 2
+    assert max(max(b) for b in lags) <= 2, lags
     tags = set(read_scalars(tmp_path / "tb"))
     assert not [t for t in TAGS if t not in tags], sorted(tags)
 
