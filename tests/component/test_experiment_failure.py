@@ -19,38 +19,20 @@ import yaml
 
 from launch.cli import main
 from launch.experiment import load_spec, plan
+from tests.component.test_experiment_run import tiny_spec
 
 STORE_REFUSAL = "not a treeopsd replay store (no treeopsd-store.json); refusing a non-empty directory"
 
 
 def failing_spec(tiny_model_dir: str, store_dir: Path) -> dict:
-    """tests/component/test_experiment_run.py's tiny grid at one seed; row (2,2) keeps its replay store in
-    `store_dir` (store.* is not part of a run's key, so the key does not depend on where the store lives)."""
-    return {
-        "name": "tiny",
-        "base": "configs/default.yaml",
-        "seeds": [0],
-        "steps": 2,
-        "eval_tasks": 4,
-        "budget": 8,
-        "common": {
-            "model.path": tiny_model_dir,
-            "env.eval_hops": [3, 4],
-            "learner.batch_trees": 2,
-            "env.max_turns": 3,
-            "env.max_turn_tokens": 12,
-        },
-        "rows": [
-            {"name": "ReAct", "train": False},
-            {"name": "TreeOPSD (4,2)", "set": {"algo.M": 4, "algo.N": 2}},
-            {
-                "name": "(2,2)",
-                "group": "allocation",
-                "set": {"algo.M": 2, "algo.N": 2, "store.dir": str(store_dir)},
-            },
-        ],
-        "claims": [{"better": "TreeOPSD (4,2)", "worse": "ReAct"}],
-    }
+    """tests/component/test_experiment_run.py's tiny grid at one seed, without its rho row; row (2,2) keeps
+    its replay store in `store_dir` (store.* is not part of a run's key, so the key does not depend on where
+    the store lives)."""
+    spec = tiny_spec(tiny_model_dir)
+    rows = {r["name"]: r for r in spec["rows"]}
+    alloc = rows["(2,2)"]
+    alloc["set"] = {**alloc["set"], "store.dir": str(store_dir)}
+    return {**spec, "seeds": [0], "rows": [rows["ReAct"], rows["TreeOPSD (4,2)"], alloc]}
 
 
 def check_first_attempt(out: Path, runs: Path, keys: dict[str, str], store_dir: Path, capsys) -> str:
