@@ -101,9 +101,17 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+# A module that takes these fixtures (`vllm_backend = vllm_fixtures.vllm_backend`) registers fixtures of its
+# own: pytest keeps one value per registration, so two modules would build two models and start two engines.
+# The values live here instead, once per process; the first registration to finish closes the engine.
+_SHARED: dict[str, Any] = {}
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
+    if "model" not in _SHARED:
+        _SHARED["model"] = build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
+    return Path(_SHARED["model"])
 
 
 @pytest.fixture(scope="session")
@@ -111,11 +119,13 @@ def vllm_backend(tiny_model_dir: Path) -> Iterator[Any]:
     """The one engine of the session (float32, prefix caching on, seeded)."""
     from actors.policy.vllm_backend import VLLMBackend
 
-    t0 = time.perf_counter()
-    backend = VLLMBackend(str(tiny_model_dir), dtype="float32", max_model_len=1024, seed=1234)
-    MEASUREMENTS["engine_start_s"] = time.perf_counter() - t0
-    print(f"\n[vllm] engine start {MEASUREMENTS['engine_start_s']:.1f} s")
+    if "backend" not in _SHARED:
+        t0 = time.perf_counter()
+        _SHARED["backend"] = VLLMBackend(str(tiny_model_dir), dtype="float32", max_model_len=1024, seed=1234)
+        MEASUREMENTS["engine_start_s"] = time.perf_counter() - t0
+        print(f"\n[vllm] engine start {MEASUREMENTS['engine_start_s']:.1f} s")
     try:
-        yield backend
+        yield _SHARED["backend"]
     finally:
-        backend.close()
+        if (backend := _SHARED.pop("backend", None)) is not None:
+            backend.close()
