@@ -29,7 +29,7 @@ def test_a_sampler_killed_holding_a_reservation_gives_it_back_and_keeps_its_tree
     stats = lambda: ray.get(topo.store.stats.remote())  # noqa: E731
     try:
         driver = Driver(cfg, topo, MemorySink())  # driven by hand below: one sampler call at a time
-        ((victim, pid),) = pids(topo).items()  # actor id 0
+        ((victim, pid),) = pids(topo).items()
 
         manager = topo.manager
 
@@ -46,7 +46,8 @@ def test_a_sampler_killed_holding_a_reservation_gives_it_back_and_keeps_its_tree
         # The second, started without the driver's collection (which waits 50 ms for results: longer than
         # the call); the store admits it within milliseconds and it samples for ~0.1 s.
         kwargs = {"n": n, "min_version": 0, "wait_s": cfg.weights.sync_wait_s}  # as the driver asks
-        manager.foreach_actor_async("sample_and_commit", _tag(victim), kwargs=kwargs, remote_actor_ids=[0])
+        call = {"kwargs": kwargs, "remote_actor_ids": [victim]}
+        manager.foreach_actor_async("sample_and_commit", _tag(victim), **call)
         held = wait_until(
             lambda: (s := stats())["admission"]["reserved"] > 0 and s, timeout_s=120, interval_s=0.001
         )
