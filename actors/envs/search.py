@@ -42,10 +42,24 @@ class Retriever(Protocol):
     def search(self, queries: Sequence[str], topk: int) -> list[list[dict[str, Any]]]: ...
 
 
+STOPWORDS = "en"
+
+
 def _tokenize(texts: list[str], *, return_ids: bool) -> Any:
     import bm25s  # on first use: a client of the retrieval service never loads bm25s (numba, scipy)
 
-    return bm25s.tokenize(texts, stopwords="en", return_ids=return_ids, show_progress=False)
+    return bm25s.tokenize(texts, stopwords=STOPWORDS, return_ids=return_ids, show_progress=False)
+
+
+def _query_tokenizer(vocab: dict[str, int]) -> Any:
+    """bm25s' `Tokenizer` on the index's own vocabulary: a query's ids straight away, words the index has
+    not seen dropped. The same split, lower-casing and stop words as `_tokenize` (bm25s' defaults), at an
+    eighth of its cost per query (`bm25s.tokenize` builds a vocabulary and progress bars on every call)."""
+    from bm25s.tokenization import Tokenizer
+
+    tokenizer = Tokenizer(stopwords=STOPWORDS)
+    tokenizer.word_to_id = dict(vocab)  # read-only from here: queries never add words
+    return tokenizer
 
 
 QUERY_CACHE = 8192  # distinct (query, topk) kept per index (hits share the index's texts: ~1 KB each)
@@ -72,6 +86,7 @@ class Bm25Index:
             _retriever = bm25s.BM25()
             _retriever.index(_tokenize(self.texts, return_ids=True), show_progress=False)
         self._bm25 = _retriever
+        self._queries = _query_tokenizer(_retriever.vocab_dict)
         # The search tool of a tree's episodes repeats the same queries (every trajectory looks up the
         # same first hop); the index is immutable, so a query's hits are computed once. A lock: the
         # sampler's tool threads and the retrieval service's handlers share one index.
@@ -98,9 +113,9 @@ class Bm25Index:
             raise ValueError(f"topk must be >= 1, got {topk}")
         found = self._cached(queries, topk)
         misses = list(dict.fromkeys(q for q in queries if q not in found))
-        if misses:  # tokenized together: bm25s pays per call, a service batch has many queries
-            tokenized = _tokenize(misses, return_ids=False)
-            fresh = {q: tuple(self._search_tokens(t, topk)) for q, t in zip(misses, tokenized, strict=True)}
+        if misses:
+            tokenized = self._queries.streaming_tokenize(misses, update_vocab=False, allow_empty=False)
+            fresh = {q: tuple(self._search_ids(t, topk)) for q, t in zip(misses, tokenized, strict=True)}
             self._remember(fresh, topk)
             found.update(fresh)
         return [[dict(hit) for hit in found[q]] for q in queries]  # copies: callers own them
@@ -132,11 +147,10 @@ class Bm25Index:
             while len(self._hits) > QUERY_CACHE:
                 self._hits.popitem(last=False)
 
-    def _search_tokens(self, tokens: list[str], topk: int) -> list[dict[str, Any]]:
-        known = [t for t in tokens if t in self._bm25.vocab_dict]
-        if not known:
+    def _search_ids(self, token_ids: list[int], topk: int) -> list[dict[str, Any]]:
+        if not token_ids:
             return []
-        scores = np.asarray(self._bm25.get_scores(known), dtype=np.float64)
+        scores = np.asarray(self._bm25.get_scores_from_ids(token_ids), dtype=np.float64)
         cand = np.flatnonzero(scores > 0)  # a score of 0 is never returned; most documents have one
         k = min(topk, len(cand))
         if k < len(cand):

@@ -182,7 +182,7 @@ class VLLMBackend:
     async def _turn(self, req: SampleRequest, params: Any) -> SampleResult:
         params = params or self._sampling_params(req)
         self._n_ids += 1
-        prompt = self._prompt_cls(prompt_token_ids=[int(t) for t in req.context])
+        prompt = self._prompt_cls(prompt_token_ids=list(map(int, req.context)))
         out = await self._engine().generate(prompt, params, f"{self._ids}-{self._n_ids}")
         return self._to_result(req, out)
 

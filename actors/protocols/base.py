@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from actors.envs.tool_calls import ParseError, ToolCall, strip_think
+from actors.protocols.direct_encode import direct_encoder
 
 _SENTINEL = "<<TREEOPSD_OBS>>"
 _ASSISTANT = "<<TREEOPSD_ASSISTANT>>"
@@ -146,6 +147,7 @@ class AgentProtocol:
         # repeat of its trunk's call): their ids are encoded once. The tokenizer is deterministic, so a
         # cached encoding is the encoding; thread-safe, for tool calls in the sampler's pool.
         self._encode_cached = lru_cache(maxsize=ENCODE_CACHE)(self._encode_uncached)
+        self._direct_encode = direct_encoder(tokenizer)  # the Rust call, where it equals the wrapper's
 
     # ---- what subclasses define -------------------------------------------------------------------
     def closers(self) -> tuple[str, ...]:
@@ -181,7 +183,10 @@ class AgentProtocol:
         self._encode_cached.cache_clear()
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
-        return tuple(int(i) for i in self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self._direct_encode(text) if self._direct_encode is not None else None
+        if ids is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return tuple(map(int, ids))
 
     def turn_closed(self, turn: Sequence[int] | None) -> bool:
         """Whether the sampled turn ended with the end-of-turn token (None: assume so, for callers that

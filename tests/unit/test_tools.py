@@ -233,3 +233,26 @@ def test_repeated_queries_come_from_the_cache_and_equal_a_fresh_search(monkeypat
     monkeypatch.setattr(search, "QUERY_CACHE", 2)
     idx.search_one("capital Zorbia", 2)  # 4 entries > 2: the two least recently used go
     assert list(idx._hits) == [("Quinto", 3), ("capital Zorbia", 2)]
+
+
+WORDS = ["Tavo", "mirel", "MENTOR", "the", "of", "is", "Kessa", "dorn", "Quinto", "capital", "zorbia", "zzz"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([*WORDS, "a", "'s", "?", "-", " ", "Ünïcode", "x1"]), max_size=8))
+def test_query_ids_score_as_bm25s_own_tokenize_does(words: list[str]) -> None:
+    """The per-query tokenizer (bm25s' Tokenizer on the index's vocabulary) against bm25s.tokenize, the
+    function that indexed the corpus: same scores for every document, so the same hits."""
+    import numpy as np
+
+    from actors.envs.search import _tokenize
+
+    idx = Bm25Index.from_passages(PASSAGES)
+    query = " ".join(words)
+    reference = [t for t in _tokenize([query], return_ids=False)[0] if t in idx._bm25.vocab_dict]
+    (ids,) = idx._queries.streaming_tokenize([query], update_vocab=False, allow_empty=False)
+    assert sorted(ids) == sorted(idx._bm25.get_tokens_ids(reference))
+    if reference:
+        assert np.array_equal(idx._bm25.get_scores_from_ids(ids), idx._bm25.get_scores(reference))
+    else:
+        assert idx.search_one(query, 3) == []
