@@ -80,5 +80,5 @@ def test_only_local_encoder_folders_load(tmp_path):
         load_encoder(tmp_path / "missing")
     with pytest.raises(EncoderError, match="not a sentence-transformers folder"):
         load_encoder(tmp_path)
-    with pytest.raises(EncoderError):
+    with pytest.raises(EncoderError, match="all-MiniLM-L6-v2 does not exist"):
         load_encoder("sentence-transformers/all-MiniLM-L6-v2")  # a hub name is never downloaded

@@ -219,7 +219,7 @@ def test_types_hold_after_validation() -> None:
 
 def test_frozen_equal_picklable_and_plain_data() -> None:
     cfg = load_config()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Instance is frozen"):
         cfg.algo.rho = 0.2  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(cfg) == hash(load_config())
     data = to_dict(cfg)
@@ -239,7 +239,7 @@ def test_overrides_do_not_touch_the_callers_data() -> None:
 
 def test_direct_construction_validates_too() -> None:
     assert AlgoConfig(rho=0.25).rho == 0.25 and TinyModelConfig().hidden // TinyModelConfig().heads == 32
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"expected 'curve' when weights\.bind_host is not loopback"):
         WeightsConfig(bind_host="10.0.0.1")
     assert Config().algo == AlgoConfig() and parse_config({}) == Config()
 

@@ -61,7 +61,7 @@ def test_cancelling_the_gather_cancels_every_child() -> None:
         await asyncio.sleep(0)
         await asyncio.sleep(0)  # both children are waiting now
         task.cancel()  # what EpisodeRunner.drive does when a weight load fails
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(asyncio.CancelledError):  # carries no message: its type is the whole signal
             await task
 
     asyncio.run(main())

@@ -201,7 +201,7 @@ def test_top_level_errors(tmp_path: Path) -> None:
     assert _broken(tmp_path, "c.jsonl", "").problem == "no records"
     assert _broken(tmp_path, "d.json", '{"id": [1, 2], "question": ["x"]}').where == "top level"
     assert isinstance(_broken(tmp_path, "e.json", "[1]"), ValueError)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"^dataset file not found: .*missing\.json$"):
         load_dataset(tmp_path / "missing.json")
 
 

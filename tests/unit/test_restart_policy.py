@@ -42,7 +42,7 @@ def test_a_zero_budget_refuses_the_first_restart():
 def test_backoff_doubles_from_one_second_up_to_the_cap():
     assert [backoff_s(n) for n in range(1, 8)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
     assert backoff_s(3, base_s=0.5, cap_s=10) == 2.0  # 0.5 · 2²
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^attempt counts from 1, got 0$"):
         backoff_s(0)
 
 

@@ -73,20 +73,26 @@ def test_response_shapes_follow_search_r1():
     assert parse_result(docs_only, 2)[0][0] == {"id": "d1", "contents": '"T"\ntext', "score": None}
 
 
+NOT_A_DOCUMENT = r"^result\[0\]\[0\] is not a document with 'id' and 'contents' \(and a score\)$"
+
+
 @pytest.mark.parametrize(
-    "payload",
+    ("payload", "message"),
     [
-        None,
-        {"results": []},
-        {"result": [[]]},  # one list for two queries
-        {"result": [[], "x"]},
-        {"result": [[{"document": {"id": "a"}, "score": 1.0}], []]},  # no contents
-        {"result": [[{"document": {"id": "a", "contents": "c"}, "score": "high"}], []]},
-        {"result": [[{"document": {"id": "a", "contents": "c"}, "score": float("nan")}], []]},
+        (None, r"^response has no 'result' list$"),
+        ({"results": []}, r"^response has no 'result' list$"),
+        ({"result": [[]]}, r"^response has 1 result lists for 2 queries$"),  # one list for two queries
+        ({"result": [[], "x"]}, r"^result\[1\] is not a list$"),
+        ({"result": [[{"document": {"id": "a"}, "score": 1.0}], []]}, NOT_A_DOCUMENT),  # no contents
+        ({"result": [[{"document": {"id": "a", "contents": "c"}, "score": "high"}], []]}, NOT_A_DOCUMENT),
+        (
+            {"result": [[{"document": {"id": "a", "contents": "c"}, "score": float("nan")}], []]},
+            NOT_A_DOCUMENT,
+        ),
     ],
 )
-def test_malformed_responses_are_rejected(payload):
-    with pytest.raises(ValueError):
+def test_malformed_responses_are_rejected(payload, message):
+    with pytest.raises(ValueError, match=message):
         parse_result(payload, 2)
 
 
