@@ -240,14 +240,14 @@ WORDS = ["Tavo", "mirel", "MENTOR", "the", "of", "is", "Kessa", "dorn", "Quinto"
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from([*WORDS, "a", "'s", "?", "-", " ", "Ünïcode", "x1"]), max_size=8))
-def test_query_ids_score_as_bm25s_own_tokenize_does(words: list[str]) -> None:
+def test_query_ids_score_as_bm25s_own_tokenize_does(index: Bm25Index, words: list[str]) -> None:
     """The per-query tokenizer (bm25s' Tokenizer on the index's vocabulary) against bm25s.tokenize, the
     function that indexed the corpus: same scores for every document, so the same hits."""
     import numpy as np
 
     from actors.envs.search import _tokenize
 
-    idx = Bm25Index.from_passages(PASSAGES)
+    idx = index  # module-scoped: one index for every example (searches only read it)
     query = " ".join(words)
     reference = [t for t in _tokenize([query], return_ids=False)[0] if t in idx._bm25.vocab_dict]
     (ids,) = idx._queries.streaming_tokenize([query], update_vocab=False, allow_empty=False)
