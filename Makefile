@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test test-fast gpu-check lint format demo bench paper-tune paper-table paper-table-quick readme clean
+.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick readme clean
 
 venv: $(STAMP)
 
@@ -32,7 +32,19 @@ test-fast: $(STAMP)
 # torch cannot see a GPU). CI has none: there these tests are skipped.
 GPU_PY ?= python3
 gpu-check:
-	PYTHONPATH=.:tests timeout 480 $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
+	PYTHONPATH=.:tests$${PYTHONPATH:+:$$PYTHONPATH} timeout 480 $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
+
+# The learner at Qwen3 shapes on one CUDA GPU (random init, no download), tree-packed against path-by-path,
+# in under 8 minutes: every figure a JSON line on stderr as it is measured, the whole in
+# benchmarks/results/learner_gpu.json (what the README reads). `--device cpu --shape tiny` is the CI dry run.
+GPU_BENCH_OUT ?= benchmarks/results
+GPU_BENCH_S ?= 240 200
+gpu-bench:
+	mkdir -p $(GPU_BENCH_OUT)
+	-PYTHONPATH=.:tests$${PYTHONPATH:+:$$PYTHONPATH} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(word 1,$(GPU_BENCH_S)) \
+	  $(GPU_PY) -m launch.cli bench learner --device cuda --shape qwen3-0.6b --steps 20 --out $(GPU_BENCH_OUT)/learner_gpu_0.6b.json
+	PYTHONPATH=.:tests$${PYTHONPATH:+:$$PYTHONPATH} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(word 2,$(GPU_BENCH_S)) \
+	  $(GPU_PY) -m launch.cli bench learner --device cuda --shape qwen3-4b --steps 3 --out $(GPU_BENCH_OUT)/learner_gpu_4b.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

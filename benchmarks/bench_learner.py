@@ -142,7 +142,18 @@ def _bench_model(model, trees: list[RolloutTree], reps: int, dense: bool) -> dic
         out.update({f"wall_{stat}_{k}_step_s": round(v, 4) for k, v in w.items()})
         out[f"wall_{stat}_packed_speedup"] = round(w["paths"] / w["packed"], 3)
     out["reps"] = reps
+    out.update(_host_work(learners["packed"], trees))
     return out
+
+
+def _host_work(learner: Learner, trees: list[RolloutTree]) -> dict[str, float]:
+    """Planning and packing a step's micro-batches (the CPU work before any kernel: splitting, packing,
+    padding, copies to the device), per micro-batch in ms and as a share of the packed step (CPU time)."""
+    c0 = time.process_time()
+    batches, _ = learner.plan(trees)
+    host = time.process_time() - c0
+    micro = sum(len(m) for m in batches)
+    return {"host_ms_per_microbatch": round(1e3 * host / max(micro, 1), 3), "host_s": round(host, 4)}
 
 
 TINY, REFERENCE = "tiny_h64_l2", "ref_h256_l4"
@@ -172,6 +183,8 @@ def _model_figures(tok, trees: list[RolloutTree], name: str, quick: bool, tokens
             "packed_speedup": steps["packed_speedup"],
             "packed_speedup_of_limit": round(steps["packed_speedup"] * packed / paths, 3),
             "paths_padded_step_s": steps["paths_padded_step_s"],
+            "host_ms_per_microbatch": steps["host_ms_per_microbatch"],
+            "host_frac": round(steps["host_s"] / steps["packed_step_s"], 4),
             "packed_speedup_vs_padded": steps["packed_speedup_vs_padded"],
             **scale,
         },
@@ -179,6 +192,10 @@ def _model_figures(tok, trees: list[RolloutTree], name: str, quick: bool, tokens
 
 
 def run(args) -> dict:
+    if getattr(args, "device", None) or getattr(args, "shape", None):  # real shapes (learner_gpu.py)
+        from benchmarks.learner_gpu import run as run_shapes
+
+        return run_shapes(args)
     quick = bool(getattr(args, "quick", False))
     torch.set_num_threads(1)
     tok = _tokenizer()

@@ -224,6 +224,9 @@ class LearnerConfig(_Section):
     grad_checkpointing: StrictBool = False  # recompute each decoder layer in backward (HF, non-reentrant)
     # Token budget of one forward/backward (0: one micro-batch per mini-batch); larger trees are split
     max_tokens_per_microbatch: NonNegInt = 0
+    # LM-head rows computed at once when scoring loss tokens (0: all at once); 2048 rows × 151,936 vocab
+    # is 1.2 GB of fp32 logits for Qwen3
+    logprob_chunk_tokens: NonNegInt = 2048
     tree_attention: Literal["auto", "chunked", "flex"] = "auto"  # auto: flex on CUDA, chunked SDPA on CPU
     # Learner processes (FSDP2 shards, one placement-group bundle of resources.learner each); 1: one process
     ranks: PosInt = 1

@@ -42,13 +42,27 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     p.add_argument("--out", default=None, help="also write the JSON here (with `all`: and a .md summary)")
+    p.add_argument(
+        "--device", default=None, help="learner: cpu or cuda, with --shape (benchmarks/learner_gpu.py)"
+    )
+    p.add_argument(
+        "--shape", default=None, help="learner: qwen3-0.6b, qwen3-1.7b, qwen3-4b or tiny (comma list)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="learner --shape: steps per layout (first: compiles)"
+    )
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     names = BENCHMARKS if args.name == "all" else (BENCH_ALIASES.get(args.name, args.name),)
     results = {}
     for name in names:
-        results[name] = importlib.import_module(BENCH_MODULES.get(name, f"benchmarks.bench_{name}")).run(args)
+        module = importlib.import_module(BENCH_MODULES.get(name, f"benchmarks.bench_{name}"))
+        try:
+            results[name] = module.run(args)
+        except ValueError as e:  # a bad flag (an unknown --shape, --device cuda without CUDA): one line
+            print(f"treeopsd bench {name}: {e}", file=sys.stderr)
+            return 2
     out = results[names[0]] if len(names) == 1 else results
     text = json.dumps(out, sort_keys=True)
     print(text)

@@ -1,18 +1,30 @@
-"""Where and how the learner computes: its device, bf16 autocast, gradient checkpointing (docs/design.md §11).
+"""Where and how the learner computes: its device, bf16, gradient checkpointing (docs/design.md §11).
 
     device = learner_device(cfg)            # cuda when resources.learner.num_gpus > 0, else cpu
     prepare_model(model, cfg, device)       # moved there, fp32 master weights, dropout off, checkpointing
-    with compute_scope(device, cfg.learner.precision): forward      # bf16 autocast or nothing
+    with compute_scope(device, cfg.learner.precision): forward      # bf16 matmuls or nothing
 
-Mixed precision is autocast over fp32 parameters: matmuls run in bf16, the parameters, their gradients and
-AdamW's state stay fp32 (what "fp32 master weights" means without a second copy), and the log-softmax of the
-sampled tokens and every loss run in fp32 (learner/forward.py computes the LM head outside autocast).
+**One bf16 path, on one rank or many.** Mixed precision is autocast over fp32 parameters: every matmul casts
+its weight and input to bf16 and runs in bf16; parameters, gradients (the cast's backward upcasts each
+bf16 gradient before it is accumulated) and AdamW's state stay fp32 (what "fp32 master weights" means
+without a second copy); the residual stream, norms, the LM head's log-softmax of the sampled tokens and
+every loss run in fp32 (learner/forward.py computes the LM head outside autocast). The sharded learner runs
+the same scope over FSDP2 (learner/distributed.py): its all-gathers carry bf16 copies of the fp32 shards
+(`param_dtype`, half the bytes), which autocast then uses as they are, and it reduce-scatters gradients in
+fp32; it does *not* cast the layers' inputs (`cast_forward_inputs=False`): FSDP2 skips that cast when
+gradient checkpointing re-runs a layer in backward, which left fp32 activations against bf16 weights
+(the CUDA failure "mat1 and mat2 must have the same dtype"), and the one-rank learner keeps its residual
+stream in fp32 too. The autocast weight cache is off: with it, every layer's bf16 weight copy lives from the
+first layer's forward to the end of the forward (8 GB for a 4B model); without it a copy lives for its
+matmul (and, with checkpointing, for its layer's recompute), at the price of casting again in the
+recompute, a memory-bound pass over the weights that is small beside the layer's matmuls.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 from torch import nn
@@ -61,6 +73,31 @@ def _silence_dropout(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def compute_scope(device: torch.device, precision: str) -> Iterator[None]:
-    """bf16 autocast on `device` for precision = bfloat16; nothing for float32."""
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+    """bf16 autocast on `device` for precision = bfloat16 (no weight cache: module docstring); nothing for
+    float32."""
+    bf16 = precision == "bfloat16"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
         yield
+
+
+def attention_for(cfg: Config, device: torch.device) -> Literal["tree", "flex"]:
+    """`learner.tree_attention`: auto = flex on CUDA (no backward on the CPU), the chunked plan elsewhere."""
+    choice = cfg.learner.tree_attention
+    if choice == "flex" and device.type != "cuda":
+        raise ValueError(
+            "learner.tree_attention = flex needs a CUDA learner (FlexAttention has no CPU backward)"
+        )
+    return "flex" if choice == "flex" or (choice == "auto" and device.type == "cuda") else "tree"
+
+
+def adamw(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the fp32 master weights; on CUDA the fused kernel for a one-process learner: one launch
+    per step and no temporaries (the foreach kernel's intermediates are another copy of the parameters,
+    16 GB for a 4B model, at the step's peak). Sharded (DTensor) parameters keep the foreach kernel."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    fused = device.type == "cuda" and not sharded
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, fused=fused or None
+    )

@@ -90,3 +90,15 @@ def summarize_minibatches(per_mb: list[dict[str, float]]) -> dict[str, float]:
         }
     )
     return out
+
+
+def padding_stats(batches: list) -> dict[str, float]:
+    """`learner/pad_frac`: padding columns over all columns forwarded this step (the flex kernel's length
+    buckets; 0 for the unpadded layouts), and `learner/forwarded_tokens`, real tokens forwarded. Entries
+    that are not a PackedBatch (the sharded learner's padding passes) are skipped."""
+    columns = real = 0
+    for p in batches:
+        if isinstance(p, PackedBatch):
+            columns += p.input_ids.numel()
+            real += p.num_tokens
+    return {"learner/pad_frac": (columns - real) / max(columns, 1), "learner/forwarded_tokens": float(real)}

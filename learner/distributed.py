@@ -76,13 +76,16 @@ class Scorer(nn.Module):
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str) -> Scorer:
-    """FSDP2: `fully_shard` per decoder layer, then the root (Scorer). bfloat16: the layers compute in bf16
-    from bf16 copies of the fp32 master shards and reduce gradients in fp32; the root group stays fp32, so
-    the LM head and log-softmax run in fp32 as on one rank (no autocast on top). Gradients are *summed*
-    over ranks: each rank's loss is its share of the mini-batch loss over the global normalizer."""
+    """FSDP2: `fully_shard` per decoder layer, then the root (Scorer). bfloat16: the layers all-gather bf16
+    copies of the fp32 master shards and reduce-scatter gradients in fp32; they leave their inputs alone
+    (the learner's autocast scope does the bf16 compute, on one rank and many alike: learner/device.py); the
+    root group stays fp32 (the LM head and log-softmax run in fp32). Gradients are *summed* over ranks: each
+    rank's loss is its share of the mini-batch loss over the global normalizer."""
     layer_mp = MixedPrecisionPolicy()
     if precision == "bfloat16":
-        layer_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        layer_mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=layer_mp)
     scorer = Scorer(model)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from learner.flex_attention import FLEX_TREE_ATTENTION, tree_block_mask
+from learner.lm_head import sampled_token_logprobs
 from learner.packing import PackedBatch
 from learner.tree_attention import TREE_ATTENTION, TreePlan, build_plan, use_attention
 from system.policy import SamplingConfig
@@ -101,25 +102,34 @@ def _hidden_states(model: nn.Module, packed: PackedBatch, attention: str) -> tor
 
 
 def token_logprobs(
-    model: nn.Module, packed: PackedBatch, attention: str = "tree", sampling: SamplingConfig | None = None
+    model: nn.Module,
+    packed: PackedBatch,
+    attention: str = "tree",
+    sampling: SamplingConfig | None = None,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """[B, T] float32 log π(y_t | h_t) at every loss-token copy (turn_ids ≥ 0), 0 elsewhere; differentiable.
 
     π is the *sampling distribution* of the model (`system/sampling.py`: temperature, top-k, top-p, the
     sampled token always in the support), the one the sampler's stored log-probs describe; None: the model's
     own distribution. Works for both layouts (`pack_trees`: 4D tree mask + depth positions; `pack_paths`:
-    plain causal rows).
+    plain causal rows). `chunk_tokens` > 0: the LM head runs that many loss tokens at a time and recomputes
+    them in backward (learner/lm_head.py), so no [loss tokens × vocab] tensor exists; 0: all at once.
     """
     hidden = _hidden_states(model, packed, attention)
     rows, cols = torch.nonzero(packed.turn_ids >= 0, as_tuple=True)
     src = packed.target_index[rows, cols]
     dev = hidden.device
     h = hidden[rows.to(dev), src.to(dev)]  # [n, H]: the state that predicts each loss token
-    with torch.autocast(dev.type, enabled=False):  # the LM head and log-softmax in fp32 (also under bf16)
-        logits = model.get_output_embeddings()(h.float()).float()
     labels = packed.input_ids[rows, cols].to(dev)
-    dist = sampling_logprobs(logits, sampling, keep=labels) if sampling else torch.log_softmax(logits, -1)
-    lp = dist.gather(1, labels[:, None])[:, 0]
+    head = model.get_output_embeddings()
+    if chunk_tokens > 0:
+        lp = sampled_token_logprobs(h, head, labels, sampling, chunk_tokens)
+    else:
+        with torch.autocast(dev.type, enabled=False):  # the LM head and log-softmax in fp32 (also under bf16)
+            logits = head(h.float()).float()
+        dist = sampling_logprobs(logits, sampling, keep=labels) if sampling else torch.log_softmax(logits, -1)
+        lp = dist.gather(1, labels[:, None])[:, 0]
     out = torch.zeros(packed.turn_ids.shape, dtype=torch.float32, device=dev)
     return out.index_put((rows.to(dev), cols.to(dev)), lp)
 

@@ -46,8 +46,15 @@ import torch
 from torch import nn
 
 from configs.schema import Config
-from learner.device import compute_scope, learner_device, prepare_model
-from learner.diagnostics import combine_microbatches, mismatch_sums, summarize_minibatches, turn_diagnostics
+from learner.device import adamw, attention_for, compute_scope, learner_device, prepare_model
+from learner.diagnostics import (
+    combine_microbatches,
+    mismatch_sums,
+    padding_stats,
+    summarize_minibatches,
+    turn_diagnostics,
+)
+from learner.flex_attention import bucket_length, compiled_graphs
 from learner.forward import attention_scope, token_logprobs
 from learner.minibatch import (
     MinibatchTargets,
@@ -64,19 +71,10 @@ from storage.checkpoint import Checkpoint, checkpoint_bytes, load_latest, save_c
 from system.credit import is_zero_variance, no_signal_stats
 from system.depth_correction import depth_weights
 from system.interfaces import StoreClient, WeightSource
+from system.microbatch import Piece
 from system.policy import SamplingConfig
 from system.staleness import batch_metrics, version_lags
 from system.tree import RolloutTree, check_nonfinite_fraction
-
-
-def _attention_of(cfg: Config, device: torch.device) -> Literal["tree", "flex"]:
-    """`learner.tree_attention`: auto = flex on CUDA (no backward on the CPU), the chunked plan elsewhere."""
-    choice = cfg.learner.tree_attention
-    if choice == "flex" and device.type != "cuda":
-        raise ValueError(
-            "learner.tree_attention = flex needs a CUDA learner (FlexAttention has no CPU backward)"
-        )
-    return "flex" if choice == "flex" or (choice == "auto" and device.type == "cuda") else "tree"
 
 
 def checkpointed_metrics(ckpt: Checkpoint) -> dict[str, float] | None:
@@ -112,11 +110,9 @@ class Learner:
     ):
         self.device, self.cfg = learner_device(cfg), cfg
         self.model = self._place_model(model)
-        self.attention = attention or _attention_of(cfg, self.device)
+        self.attention = attention or attention_for(cfg, self.device)
         self.store, self.weights, self.tokenizer = store, weights, tokenizer
-        self.optimizer = optimizer or torch.optim.AdamW(
-            model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
-        )
+        self.optimizer = optimizer or adamw(self.model, cfg, self.device)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]  # what a warmup scales
         self.sampling = SamplingConfig.of(cfg.sampler)  # π is scored under the distribution μ sampled from
         self.version = 0
@@ -199,6 +195,7 @@ class Learner:
         if self.cfg.algo.behavior_logprobs == "recompute":
             batches = self._recompute(batches, stats)
         self._check_nonfinite([p for micro in batches for p in micro])
+        stats.update(padding_stats([p for micro in batches for p in micro]))
         per_mb: list[dict[str, float]] = []
         for epoch in range(self.cfg.learner.epochs):
             for j, micro in enumerate(batches):
@@ -209,6 +206,7 @@ class Learner:
         stats["learner/microbatches"] = float(sum(len(micro) for micro in batches))
         stats.update({"learner/step_s": time.perf_counter() - t0, "learner/version": float(self.version)})
         stats["learner/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        stats["learner/compiles"] = float(compiled_graphs())
         return stats
 
     def _set_lr(self) -> None:
@@ -259,11 +257,20 @@ class Learner:
 
     def _pack(self, trees: list[RolloutTree]) -> list[PackedBatch]:
         """One mini-batch as its token-budget micro-batches, on the learner's device."""
-        packed, lc = self.cfg.learner.packed_forward, self.cfg.learner
-        plan = plan_microbatches(trees, lc.max_tokens_per_microbatch, packed)
-        full = self.cfg.algo.method != "treeopsd"
-        concat = self.attention != "mask"  # no padding when the mask is never materialized
-        return [pack_microbatch(trees, m, packed, full, concat).to(self.device) for m in plan]
+        lc = self.cfg.learner
+        plan = plan_microbatches(trees, lc.max_tokens_per_microbatch, lc.packed_forward)
+        return [self._inputs(trees, m) for m in plan]
+
+    def _inputs(self, trees: list[RolloutTree], micro: Sequence[Piece]) -> PackedBatch:
+        """One micro-batch's model inputs on the learner's device: one unpadded row unless the mask is
+        materialized; for flex, padded to its length bucket (learner/flex_attention.py)."""
+        lc = self.cfg.learner
+        full, concat = self.cfg.algo.method != "treeopsd", self.attention != "mask"
+        packed = pack_microbatch(trees, micro, lc.packed_forward, full, concat)
+        if self.attention == "flex":
+            length = bucket_length(packed.input_ids.shape[1], lc.max_tokens_per_microbatch)
+            packed = packed.padded_to(length)
+        return packed.to(self.device)
 
     def _recompute(
         self, batches: list[list[PackedBatch]], stats: dict[str, float]
@@ -327,7 +334,12 @@ class Learner:
     def logprobs(self, packed: PackedBatch) -> torch.Tensor:
         """π's log-probs of the loss tokens (`forward.token_logprobs`), under the precision's scope."""
         with compute_scope(self.device, self.cfg.learner.precision):
-            return token_logprobs(self.model, packed, self.attention, self.sampling)
+            return self.score(self.model, packed)
+
+    def score(self, model: nn.Module, packed: PackedBatch) -> torch.Tensor:
+        """`forward.token_logprobs` with this learner's kernel, sampling distribution and LM-head chunk."""
+        chunk = self.cfg.learner.logprob_chunk_tokens
+        return token_logprobs(model, packed, self.attention, self.sampling, chunk)
 
     def _place_model(self, model: nn.Module) -> nn.Module:
         """The model on the learner's device in fp32 (dropout off: the first mini-batch then runs exactly at

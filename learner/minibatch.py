@@ -24,7 +24,7 @@ still counted in Z (the one-shot loss counts it in ℓ_i; such batches are refus
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -138,17 +138,17 @@ def plan_microbatches(trees: Sequence[RolloutTree], budget: int, packed: bool) -
 
 def microbatch_pieces(trees: Sequence[RolloutTree], budget: int, packed: bool) -> list[Piece]:
     """Tree-packed: pieces from `split_tree` (a tree over budget becomes subtrees with their ancestors as
-    context). Path layout: whole trees sized by their path tokens (each shared prefix repeats on every path
-    anyway)."""
+    context). Path layout: one piece per root-to-leaf sequence, sized by its tokens (each sequence is
+    independent, so a tree's paths may land in different micro-batches; `owned` holds its leaf)."""
     if packed:
         return [p for k, t in enumerate(trees) for p in split_tree(k, t, budget)]
-    whole = []
+    out = []
     for k, t in enumerate(trees):
-        piece = split_tree(k, t, 0)[0]
         sizes = node_tokens(t)
-        path_tokens = sum(sum(sizes[j] for j in [0, *t.path(int(f))]) for f in t.leaves)
-        whole.append(replace(piece, tokens=path_tokens))
-    return whole
+        for leaf in (int(f) for f in t.leaves):
+            path = (0, *t.path(leaf))
+            out.append(Piece(k, path, frozenset({leaf}), sum(sizes[j] for j in path), 0))
+    return out
 
 
 def pack_microbatch(
@@ -157,7 +157,9 @@ def pack_microbatch(
     """The model inputs of one micro-batch; tree and leaf indices refer to the whole mini-batch `trees`."""
     if packed:
         return pack_pieces(trees, micro, concat=concat)
-    return pack_paths(trees, full=full, concat=concat, only=sorted({p.tree for p in micro}))
+    used = sorted({p.tree for p in micro})
+    sequences = {(p.tree, leaf) for p in micro for leaf in p.owned}
+    return pack_paths(trees, full=full, concat=concat, only=used, sequences=sequences)
 
 
 def microbatch_loss(

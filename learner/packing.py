@@ -37,7 +37,7 @@ and is left out of the loss in both layouts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,6 +107,37 @@ class PackedBatch:
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "_cache"}
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
         return PackedBatch(**moved)
+
+    def padded_to(self, length: int) -> PackedBatch:
+        """A copy whose rows are `length` long (the flex kernel's buckets, learner/flex_attention.py): the
+        added columns are padding (id 0, no loss, not valid) that attend to themselves only (reach = own
+        column + 1); `pair_index` is renumbered for the wider rows. Itself when already that long."""
+        b, t = self.input_ids.shape
+        if length == t:
+            return self
+        if length < t or self.reach is None:
+            raise ValueError(f"can only pad a tree-layout batch to at least its {t} columns, not {length}")
+        extra = length - t
+
+        def widen(x: torch.Tensor, fill: object) -> torch.Tensor:
+            return torch.cat([x, torch.full((b, extra), fill, dtype=x.dtype, device=x.device)], dim=1)
+
+        cols = torch.arange(t, length, device=self.reach.device)
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "_cache"}
+        fields.update(
+            input_ids=widen(self.input_ids, 0),
+            position_ids=None if self.position_ids is None else widen(self.position_ids, 0),
+            reach=torch.cat([self.reach, (cols + 1).expand(b, extra)], dim=1),
+            valid=widen(self.valid, False),
+            target_index=widen(self.target_index, -1),
+            turn_ids=widen(self.turn_ids, -1),
+            token_offset=widen(self.token_offset, -1),
+            owned=widen(self.owned, False),
+            behavior_logp=widen(self.behavior_logp, float("nan")),
+            effective_mask=widen(self.effective_mask, False),
+            pair_index=self.pair_index // t * length + self.pair_index % t,
+        )
+        return PackedBatch(**fields)
 
     def with_behavior_logp(self, logp: torch.Tensor) -> PackedBatch:
         """Copy whose μ log-probs are `logp` ([B, T], e.g. recomputed at θ_old) on the loss tokens."""
@@ -320,6 +351,7 @@ def pack_paths(
     full: bool = False,
     concat: bool = False,
     only: Sequence[int] | None = None,
+    sequences: Collection[tuple[int, int]] | None = None,
 ) -> PackedBatch:
     """Path-by-path reference: one causal sequence per leaf (trees in order, leaves ascending).
 
@@ -328,7 +360,8 @@ def pack_paths(
     concat=False: right-padded rows, plain causal attention, default positions (the reference);
     concat=True: the sequences back to back in one row as causal blocks ("varlen", no padding) for
     `tree_attention`: the same attention kernel as the tree-packed forward, only the prefixes repeat.
-    `only`: pack just these trees (indices into `trees`, which tree/leaf fields keep referring to).
+    `only`: pack just these trees (indices into `trees`, which tree/leaf fields keep referring to);
+    `sequences`: just these (tree, leaf node) sequences of them (a token-budget micro-batch of paths).
     """
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     used = list(range(len(trees))) if only is None else list(only)
@@ -337,6 +370,8 @@ def pack_paths(
     for k in used:
         tree = trees[k]
         for j, leaf in enumerate(int(x) for x in tree.leaves):
+            if sequences is not None and (k, leaf) not in sequences:
+                continue
             row = _path_row(tree, leaf, turns[k], leaves[k] + j, full, col if concat else 0)
             rows.append(row)
             col += sum(len(x) for x in row.ids)

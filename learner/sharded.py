@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from learner.device import prepare_model
+from learner.device import compute_scope, prepare_model
 from learner.diagnostics import combine_microbatches, mismatch_sums
 from learner.distributed import (
     all_reduce_sums,
@@ -47,9 +47,9 @@ from learner.distributed import (
     init_process_group,
     shard_model,
 )
-from learner.forward import attention_scope, token_logprobs
+from learner.forward import attention_scope
 from learner.learner import Learner, checkpointed_metrics
-from learner.minibatch import MinibatchTargets, microbatch_pieces, pack_microbatch
+from learner.minibatch import MinibatchTargets, microbatch_pieces
 from learner.packing import PackedBatch
 from storage.checkpoint import Checkpoint, load_latest, verify_checkpoint
 from storage.dcp_checkpoint import restore_into, save_dcp_checkpoint
@@ -103,8 +103,9 @@ class ShardedLearner(Learner):
         return model
 
     def logprobs(self, packed: PackedBatch) -> torch.Tensor:
-        """Through the FSDP2 root; no autocast: the layers' MixedPrecisionPolicy computes in bf16."""
-        return self.scorer(lambda m: token_logprobs(m, packed, self.attention, self.sampling))
+        """Through the FSDP2 root, under the same bf16 scope as one rank (learner/device.py)."""
+        with compute_scope(self.device, self.cfg.learner.precision):
+            return self.scorer(lambda m: self.score(m, packed))
 
     # ---- the batch -------------------------------------------------------------------------------
     def _take_batch(self) -> tuple[int, list[RolloutTree] | None]:
@@ -129,17 +130,12 @@ class ShardedLearner(Learner):
         lc = self.cfg.learner
         pieces = microbatch_pieces(trees, lc.max_tokens_per_microbatch, lc.packed_forward)
         plan = rank_plan(pieces, lc.max_tokens_per_microbatch, self.world)
-        full, concat = self.cfg.algo.method != "treeopsd", self.attention != "mask"
-
-        def pack(micro: Sequence[Piece]) -> PackedBatch:
-            return pack_microbatch(trees, micro, lc.packed_forward, full, concat).to(self.device)
-
-        mine = [pack(m) for m in plan[self.rank]]
+        mine = [self._inputs(trees, m) for m in plan[self.rank]]
         self.microbatches += len(mine)
         passes = max(len(p) for p in plan)
         if len(mine) < passes:  # the smallest piece of the mini-batch carries the padding passes
             smallest = min(pieces, key=lambda p: (p.tokens, p.tree, p.nodes[0]))
-            mine += [Padding(pack([smallest]))] * (passes - len(mine))  # type: ignore[list-item]
+            mine += [Padding(self._inputs(trees, [smallest]))] * (passes - len(mine))  # type: ignore[list-item]
         return mine
 
     def _check_nonfinite(self, batches: list[PackedBatch]) -> None:

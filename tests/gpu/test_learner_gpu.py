@@ -8,6 +8,7 @@ import torch
 from learner_fixtures import config, make_trees, on_policy
 
 from actors.policy.tiny_model import build_tiny_model
+from learner.flex_attention import BUCKETS, compiled_graphs
 from learner.forward import token_logprobs
 from learner.learner import Learner
 from learner.packing import canonical_logp, pack_trees
@@ -42,10 +43,16 @@ def test_learner_runs_on_cuda_in_bf16(setup):
     model, trees = setup
     learner = gpu_learner(model, precision="bfloat16", grad_checkpointing=True, max_tokens_per_microbatch=60)
     assert next(learner.model.parameters()).device.type == "cuda" and learner.attention == "flex"
-    stats = [learner.step(trees) for _ in range(2)]
+    before = compiled_graphs()
+    stats = [learner.step(trees) for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(s["learner/loss"])) for s in stats)
     assert stats[0]["learner/microbatches"] >= 3
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # fp32 master weights
+    # micro-batches padded to the 60-token budget's buckets (128 … 512): at most one graph per bucket
+    # (a second per length if the kernel breaks its graph), and none after the first step's lengths
+    assert stats[0]["learner/compiles"] - before <= 2 * BUCKETS
+    assert stats[2]["learner/compiles"] == stats[0]["learner/compiles"]
+    assert 0 < stats[0]["learner/pad_frac"] < 1
 
 
 @pytest.mark.parametrize("attention", ["tree", "flex"])

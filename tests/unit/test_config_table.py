@@ -120,6 +120,10 @@ BAD = [
         r"^learner\.max_tokens_per_microbatch = -1 is invalid: expected an",
     ),
     (
+        "learner.logprob_chunk_tokens=-1",
+        r"^learner\.logprob_chunk_tokens = -1 is invalid: expected an integer >= 0",
+    ),
+    (
         "learner.tree_attention=flex",
         r"^learner\.tree_attention = 'flex' is invalid: expected 'auto' or 'chunked' without",
     ),
