@@ -36,15 +36,17 @@ gpu-check:
 
 # The learner at Qwen3 shapes on one CUDA GPU (random init, no download), tree-packed against path-by-path,
 # in under 8 minutes: every figure a JSON line on stderr as it is measured, the whole in
-# benchmarks/results/learner_gpu.json (what the README reads). `--device cpu --shape tiny` is the CI dry run.
+# benchmarks/results/learner_gpu.json and .md (what the README reads). `--device cpu --shape tiny` is the CI dry run.
 GPU_BENCH_OUT ?= benchmarks/results
 GPU_BENCH_S ?= 240 200
+GPU_BENCH_ARGS ?=
 gpu-bench:
 	mkdir -p $(GPU_BENCH_OUT)
 	-PYTHONPATH=.:tests$${PYTHONPATH:+:$$PYTHONPATH} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(word 1,$(GPU_BENCH_S)) \
-	  $(GPU_PY) -m launch.cli bench learner --device cuda --shape qwen3-0.6b --steps 20 --out $(GPU_BENCH_OUT)/learner_gpu_0.6b.json
+	  $(GPU_PY) -m launch.cli bench learner --device cuda --shape qwen3-0.6b --steps 20 $(GPU_BENCH_ARGS) --out $(GPU_BENCH_OUT)/learner_gpu_0.6b.json
 	PYTHONPATH=.:tests$${PYTHONPATH:+:$$PYTHONPATH} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(word 2,$(GPU_BENCH_S)) \
-	  $(GPU_PY) -m launch.cli bench learner --device cuda --shape qwen3-4b --steps 3 --out $(GPU_BENCH_OUT)/learner_gpu_4b.json
+	  $(GPU_PY) -m launch.cli bench learner --device cuda --shape qwen3-4b --steps 3 $(GPU_BENCH_ARGS) --out $(GPU_BENCH_OUT)/learner_gpu_4b.json
+	$(GPU_PY) -m benchmarks.gpu_report $(GPU_BENCH_OUT)/learner_gpu.json $(GPU_BENCH_OUT)/learner_gpu_0.6b.json $(GPU_BENCH_OUT)/learner_gpu_4b.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

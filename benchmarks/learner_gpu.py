@@ -103,7 +103,8 @@ def draw_batch(rng: np.random.Generator, vocab: int, step: int, cfg: Config, tin
     return [credit_rollout_tree(t, cfg.algo) for t in trees]
 
 
-def learner_config(device: torch.device, packed: bool, budget: int) -> Config:
+def learner_config(device: torch.device, packed: bool, budget: int, overrides: list[str]) -> Config:
+    """The workload's learner keys (module docstring), then the user's `--set` overrides."""
     gpu = device.type == "cuda"
     return parse_config(
         {
@@ -117,7 +118,8 @@ def learner_config(device: torch.device, packed: bool, budget: int) -> Config:
                 "lr": 1e-5,
             },
             "resources": {"learner": {"num_gpus": 1 if gpu else 0}},
-        }
+        },
+        overrides,
     )
 
 
@@ -197,15 +199,18 @@ def _figures(records: list[dict[str, float]], params: int) -> dict[str, Any]:
     }
 
 
-def bench_layout(shape: str, layout: str, device: torch.device, steps: int, budget: int) -> dict[str, Any]:
+def bench_layout(shape: str, layout: str, device: torch.device, steps: int, args: Any) -> dict[str, Any]:
     """One layout's figures over `steps` steps (the first one, with its compiles, reported apart)."""
-    cfg = learner_config(device, layout == "packed", budget)
+    budget = BUDGET if device.type == "cuda" else 1024
+    cfg = learner_config(device, layout == "packed", budget, list(getattr(args, "set", None) or []))
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())
     learner = Learner(model, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     records = _timed_steps(learner, shape, layout, steps)
+    if getattr(args, "profile", False) and layout == "packed":
+        emit({"shape": shape, "layout": layout, "profile": profile_step(learner, shape)})
     out: dict[str, Any] = {"shape": shape, "layout": layout, "attention": learner.attention}
     out.update(_figures(records, params))
     if device.type == "cuda":
@@ -231,13 +236,12 @@ def run(args: Any) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda but torch {torch.__version__} sees no CUDA device")
     steps = int(getattr(args, "steps", None) or (2 if device.type == "cpu" else 4))
-    budget = BUDGET if device.type == "cuda" else 1024
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     for shape in shapes:
         # paths: 2 steps at most (the reference; the compile count is the packed run's)
         rows = {
-            "packed": bench_layout(shape, "packed", device, steps, budget),
-            "paths": bench_layout(shape, "paths", device, min(steps, 2), budget),
+            "packed": bench_layout(shape, "packed", device, steps, args),
+            "paths": bench_layout(shape, "paths", device, min(steps, 2), args),
         }
         rows["packed_over_paths"] = {
             "step_speedup": round(rows["paths"]["step_s"] / rows["packed"]["step_s"], 3),
@@ -245,5 +249,56 @@ def run(args: Any) -> dict[str, Any]:
         }
         emit({"shape": shape, **rows["packed_over_paths"]})
         out[shape] = rows
-    out.update({"budget": budget, "torch": torch.__version__, "method": "treeopsd", "trees_per_step": 4})
+    out["overrides"] = list(getattr(args, "set", None) or [])
+    out.update(
+        {
+            "budget": BUDGET if device.type == "cuda" else 1024,
+            "torch": torch.__version__,
+            "method": "treeopsd",
+            "trees_per_step": 4,
+        }
+    )
     return out
+
+
+# kernel-name patterns → the part of a step they belong to (first match wins)
+KERNEL_PARTS = (
+    ("attention", ("flex", "attention", "triton_tem")),
+    ("fp32_gemm", ("sgemm", "tf32", "s1688", "f32_f32")),
+    ("bf16_gemm", ("gemm", "cutlass", "nvjet", "xmma")),
+    ("optimizer", ("adam", "multi_tensor")),
+)
+
+
+def profile_step(learner: Learner, shape: str) -> dict[str, Any]:
+    """One more step under torch.profiler: the device time by part (KERNEL_PARTS) and the 12 kernels that
+    took the most; on the CPU, the CPU ops instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = learner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    vocab = learner.model.config.vocab_size
+    trees = draw_batch(np.random.default_rng(99), vocab, 0, learner.cfg, shape == "tiny")
+    with profile(activities=activities) as prof:
+        learner.step(trees)
+        _sync(learner.device)
+
+    def time_of(e: Any) -> float:
+        return float(e.self_device_time_total if cuda else e.self_cpu_time_total)
+
+    def is_kernel(e: Any) -> bool:  # an aten op also carries its kernels' device time: count kernels once
+        return not cuda or str(getattr(e, "device_type", "")).endswith("CUDA")
+
+    events = [e for e in prof.key_averages() if time_of(e) > 0 and is_kernel(e)]
+    total = sum(time_of(e) for e in events) or 1.0
+    parts: dict[str, float] = {}
+    for e in events:
+        name = e.key.lower()
+        part = next((p for p, keys in KERNEL_PARTS if any(k in name for k in keys)), "other")
+        parts[part] = parts.get(part, 0.0) + time_of(e)
+    top = sorted(events, key=time_of, reverse=True)[:12]
+    return {
+        "busy_s": round(total / 1e6, 3),
+        "share": {k: round(v / total, 3) for k, v in sorted(parts.items())},
+        "top": [{"kernel": e.key[:90], "s": round(time_of(e) / 1e6, 3), "calls": e.count} for e in top],
+    }

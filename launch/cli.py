@@ -43,13 +43,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     p.add_argument("--out", default=None, help="also write the JSON here (with `all`: and a .md summary)")
     p.add_argument(
-        "--device", default=None, help="learner: cpu or cuda, with --shape (benchmarks/learner_gpu.py)"
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="learner, with --shape: benchmarks/learner_gpu.py",
     )
     p.add_argument(
         "--shape", default=None, help="learner: qwen3-0.6b, qwen3-1.7b, qwen3-4b or tiny (comma list)"
     )
     p.add_argument(
         "--steps", type=int, default=None, help="learner --shape: steps per layout (first: compiles)"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="learner --shape: a config override"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="learner --shape: one more step under torch.profiler"
     )
 
 

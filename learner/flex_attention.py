@@ -17,8 +17,8 @@ which is two [blocks] reductions and one [q blocks × k blocks] comparison on th
 **Lengths in buckets.** `torch.compile(flex_attention, dynamic=False)` builds one kernel per sequence
 length (forward and backward, tens of seconds each on a GPU), and token-budget micro-batches have a new
 length almost every time. The learner therefore pads each micro-batch (`pad_to_length`, learner/packing.py)
-to the smallest of `BUCKETS` lengths, the budget's quarters rounded up to the 128-token block: a run
-compiles at most once per bucket (a piece over budget alone adds one bucket per multiple of the quarter).
+to the smallest of `BUCKETS` lengths, budget·(1/2, 3/4, 7/8, 1) rounded up to the 128-token block: a run
+compiles at most once per bucket (a piece over budget alone adds one per multiple of half the budget).
 Padding tokens attend to themselves only (one diagonal block each: ~no attention work), carry no loss, and
 are reported as `learner/pad_frac`; `learner/compiles` counts the graphs torch.compile built in the process.
 
@@ -45,17 +45,20 @@ _COMPILED: dict[str, Any] = {}
 
 
 def bucket_lengths(budget: int, buckets: int = BUCKETS) -> list[int]:
-    """The lengths a budget's micro-batches are padded to: `buckets` equal steps up to the budget, each a
-    multiple of the block (budget ≤ 0, no budget: none; `bucket_length` then uses powers of two)."""
+    """The lengths a budget's micro-batches are padded to, each a multiple of the block: halving the gap
+    to the budget, budget·(1/2, 3/4, 7/8, 1) for 4, since first-fit-decreasing fills most micro-batches close
+    to the budget (on the GPU bench's trees: 9 % padding against 14 % for equal quarters). Budget ≤ 0, no
+    budget: none (`bucket_length` then uses powers of two)."""
     if budget <= 0:
         return []
-    step = math.ceil(budget / buckets / BLOCK) * BLOCK
-    return [step * k for k in range(1, buckets + 1)]
+    gaps = [budget / 2**k for k in range(1, buckets)]  # budget/2, budget/4, ...
+    lengths = {math.ceil((budget - gap) / BLOCK) * BLOCK for gap in gaps} | {math.ceil(budget / BLOCK) * BLOCK}
+    return sorted(lengths)
 
 
 def bucket_length(tokens: int, budget: int, buckets: int = BUCKETS) -> int:
     """The padded length of a micro-batch of `tokens`: the smallest bucket that holds it; over the budget
-    (a piece too long alone) the next multiple of the bucket step; without a budget the next power of two
+    (a piece too long alone) the next multiple of half the budget; without a budget the next power of two
     (at least one block)."""
     lengths = bucket_lengths(budget, buckets)
     if not lengths:
@@ -63,8 +66,7 @@ def bucket_length(tokens: int, budget: int, buckets: int = BUCKETS) -> int:
     for length in lengths:
         if tokens <= length:
             return length
-    step = lengths[0]
-    return math.ceil(tokens / step) * step
+    return math.ceil(tokens / lengths[0]) * lengths[0]
 
 
 def compiled_graphs() -> int:

@@ -107,6 +107,7 @@ def token_logprobs(
     attention: str = "tree",
     sampling: SamplingConfig | None = None,
     chunk_tokens: int = 0,
+    tf32_head: bool = False,
 ) -> torch.Tensor:
     """[B, T] float32 log π(y_t | h_t) at every loss-token copy (turn_ids ≥ 0), 0 elsewhere; differentiable.
 
@@ -114,7 +115,8 @@ def token_logprobs(
     sampled token always in the support), the one the sampler's stored log-probs describe; None: the model's
     own distribution. Works for both layouts (`pack_trees`: 4D tree mask + depth positions; `pack_paths`:
     plain causal rows). `chunk_tokens` > 0: the LM head runs that many loss tokens at a time and recomputes
-    them in backward (learner/lm_head.py), so no [loss tokens × vocab] tensor exists; 0: all at once.
+    them in backward (learner/lm_head.py), so no tensor over [chunk × vocab] exists; 0: all at once;
+    `tf32_head`: its fp32 matmuls on TF32 tensor cores (the bf16 learner's choice).
     """
     hidden = _hidden_states(model, packed, attention)
     rows, cols = torch.nonzero(packed.turn_ids >= 0, as_tuple=True)
@@ -123,8 +125,10 @@ def token_logprobs(
     h = hidden[rows.to(dev), src.to(dev)]  # [n, H]: the state that predicts each loss token
     labels = packed.input_ids[rows, cols].to(dev)
     head = model.get_output_embeddings()
-    if chunk_tokens > 0:
-        lp = sampled_token_logprobs(h, head, labels, sampling, chunk_tokens)
+    # within one chunk the plain path below is that chunk without the backward's recompute (fp32 learners;
+    # the bf16 one keeps the chunked head for its TF32 matmuls)
+    if chunk_tokens > 0 and (tf32_head or chunk_tokens < h.shape[0]):
+        lp = sampled_token_logprobs(h, head, labels, sampling, chunk_tokens, tf32=tf32_head)
     else:
         with torch.autocast(dev.type, enabled=False):  # the LM head and log-softmax in fp32 (also under bf16)
             logits = head(h.float()).float()

@@ -338,8 +338,9 @@ class Learner:
 
     def score(self, model: nn.Module, packed: PackedBatch) -> torch.Tensor:
         """`forward.token_logprobs` with this learner's kernel, sampling distribution and LM-head chunk."""
-        chunk = self.cfg.learner.logprob_chunk_tokens
-        return token_logprobs(model, packed, self.attention, self.sampling, chunk)
+        lc = self.cfg.learner
+        tf32 = lc.precision == "bfloat16"  # the LM head's fp32 matmuls on TF32 cores (learner/lm_head.py)
+        return token_logprobs(model, packed, self.attention, self.sampling, lc.logprob_chunk_tokens, tf32)
 
     def _place_model(self, model: nn.Module) -> nn.Module:
         """The model on the learner's device in fp32 (dropout off: the first mini-batch then runs exactly at

@@ -30,6 +30,8 @@ several [n, V] tensors. log π(y) is finite whenever the logits are: y ∈ K, so
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -46,6 +48,7 @@ def sampled_token_logprobs(
     labels: Tensor,
     sampling: SamplingConfig | None,
     chunk_tokens: int,
+    tf32: bool = False,
 ) -> Tensor:
     """[n, H] hidden states, [n] long labels -> [n] float32 log π(label | h) under the sampling
     distribution (system/sampling.py semantics, exactly: temperature, top-k, top-p, the label kept;
@@ -65,9 +68,27 @@ def sampled_token_logprobs(
         )
     spec = sampling if sampling is not None and sampling.temperature > 0 else None
     out: Tensor = _ChunkedHead.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, bias, labels.long(), spec, int(chunk_tokens)
+        hidden, weight, bias, labels.long(), spec, int(chunk_tokens), tf32
     )
     return out
+
+
+@contextmanager
+def fp32_matmuls(tf32: bool) -> Iterator[None]:
+    """The head's fp32 matmuls on TensorFloat-32 tensor cores (10-bit mantissa inputs, fp32 accumulation)
+    while `tf32`: what the bf16 learner asks for, as its decoder already multiplies in bf16 (7 bits). In
+    strict fp32 the head was about a fifth of a Qwen3 step on an H200 (docs/design.md §11); TF32 moves a
+    logit by ~|z|·2⁻¹¹, far below the bf16 decoder's own rounding. Not thread-safe (a process-wide flag):
+    one forward or backward at a time, as the learner runs."""
+    if not tf32 or not torch.cuda.is_available():
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _spans(n: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -109,13 +130,14 @@ class _ChunkedHead(torch.autograd.Function):
         labels: Tensor,
         spec: SamplingConfig | None,
         chunk_tokens: int,
+        tf32: bool,
     ) -> Tensor:
         """Each chunk: logits, kept set, the label's log-prob; the chunk is dropped before the next, and only
         the inputs are saved (backward recomputes, trading one extra head matmul for O(n·V) memory)."""
         ctx.save_for_backward(hidden, weight, bias, labels)  # type: ignore[arg-type]  # None bias is allowed
-        ctx.spec, ctx.chunk_tokens = spec, chunk_tokens  # type: ignore[attr-defined]
+        ctx.spec, ctx.chunk_tokens, ctx.tf32 = spec, chunk_tokens, tf32  # type: ignore[attr-defined]
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):  # the head in fp32, also under bf16
+        with torch.autocast(hidden.device.type, enabled=False), fp32_matmuls(tf32):  # fp32 under bf16 too
             w, b = weight.float(), None if bias is None else bias.float()
             for i, j in _spans(hidden.shape[0], chunk_tokens):
                 y = labels[i:j]
@@ -136,7 +158,7 @@ class _ChunkedHead(torch.autograd.Function):
         spec: SamplingConfig | None = ctx.spec
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         inv_t = 1.0 if spec is None else 1.0 / spec.temperature
-        with torch.autocast(hidden.device.type, enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False), fp32_matmuls(ctx.tf32):
             w, b = weight.float(), None if bias is None else bias.float()
             gh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -156,6 +178,7 @@ class _ChunkedHead(torch.autograd.Function):
             None if gh is None else gh.to(hidden.dtype),
             None if gw is None else gw.to(weight.dtype),
             None if gb is None else gb.to(bias.dtype),
+            None,
             None,
             None,
             None,

@@ -32,10 +32,11 @@ AGENTIC = {"prompt": (30, 60), "turn": (10, 50), "obs": (15, 45), "turns": (3, 6
 
 
 def test_bucket_lengths_by_hand():
-    # budget 1000 → step ceil(1000 / 4 / 128) · 128 = 256: buckets 256, 512, 768, 1024
-    assert bucket_lengths(1000) == [256, 512, 768, 1024]
-    assert [bucket_length(n, 1000) for n in (1, 256, 257, 1000, 1024)] == [256, 256, 512, 1024, 1024]
-    assert bucket_length(1100, 1000) == 1280  # over budget: the next multiple of the step (5 · 256)
+    # budget 1000: 1000 − 500, 1000 − 250, 1000 − 125, 1000, each rounded up to 128: 512, 768, 896, 1024
+    assert bucket_lengths(1000) == [512, 768, 896, 1024]
+    assert bucket_lengths(16384) == [8192, 12288, 14336, 16384]  # the GPU bench's budget
+    assert [bucket_length(n, 1000) for n in (1, 512, 513, 900, 1024)] == [512, 512, 768, 1024, 1024]
+    assert bucket_length(1100, 1000) == 1536  # over budget: the next multiple of the smallest (3 · 512)
     assert bucket_length(300, 0) == 512 and bucket_length(5, 0) == 128  # no budget: powers of two
 
 
