@@ -51,9 +51,8 @@ def bucket_lengths(budget: int, buckets: int = BUCKETS) -> list[int]:
     budget: none (`bucket_length` then uses powers of two)."""
     if budget <= 0:
         return []
-    gaps = [budget / 2**k for k in range(1, buckets)]  # budget/2, budget/4, ...
-    lengths = {math.ceil((budget - gap) / BLOCK) * BLOCK for gap in gaps} | {math.ceil(budget / BLOCK) * BLOCK}
-    return sorted(lengths)
+    fractions = [1 - 2.0**-k for k in range(1, buckets)] + [1.0]  # 1/2, 3/4, 7/8, ..., 1
+    return sorted({math.ceil(budget * f / BLOCK) * BLOCK for f in fractions})
 
 
 def bucket_length(tokens: int, budget: int, buckets: int = BUCKETS) -> int:
