@@ -27,6 +27,7 @@ COMMANDS = {
     "retrieve": "serve a corpus over HTTP for all samplers (Search-R1's POST /retrieve)",
     "model": "import a .gguf model file as a Hugging Face folder",
     "data": "dataset tools (decrypt BrowseComp-Plus queries)",
+    "config": "print the resolved config (`config show [--config F] [k=v ...]`)",
     "soak": "train while killing a random role on a schedule; audit the store and the batches after",
     "drill": "`train --steps N` with each role SIGKILLed once at random; check every batch trained once",
 }

@@ -61,6 +61,7 @@ def evaluate(
         if backend is None:
             greedy.close()
     report = summarize(rows)
+    report["task_rewards"] = {r["task_id"]: r["reward"] for r in rows}  # for paired comparisons
     if samples > 0:
         report.update(_sampled(cfg, model_path, tasks, env, batch, progress, samples))
     return {**report, "seconds": round(time.perf_counter() - t0, 2)}
@@ -127,6 +128,7 @@ def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> l
 
 def _row(e: Any, info: dict[str, Any], recall: float | None = None) -> dict[str, Any]:
     return {
+        "task_id": e.task.task_id,
         "recall": recall,
         "dataset": e.task.dataset,
         "hops": e.task.meta.get("hops"),
@@ -192,3 +194,16 @@ def take(tasks: Sequence[Any], limit: int | None) -> list[Any]:
     lists = list(groups.values())
     mixed = [g[i] for i in range(max(map(len, lists))) for g in lists if i < len(g)]
     return mixed[: max(0, limit)]
+
+
+def paired_difference(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, int]:
+    """(mean of after − before, its standard error, n) over the tasks both evaluations share: the paired
+    comparison of one model before and after training on the same questions, SE = sd(d) / √n (sample sd)."""
+    shared = sorted(set(before) & set(after))
+    d = [after[k] - before[k] for k in shared]
+    n = len(d)
+    if n < 2:
+        return (d[0] if d else 0.0), float("nan"), n
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1)
+    return mean, (var / n) ** 0.5, n

@@ -228,7 +228,7 @@ def test_frozen_equal_picklable_and_plain_data() -> None:
     assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(cfg) == hash(load_config())
     data = to_dict(cfg)
     assert json.loads(json.dumps(data)) == data == yaml.safe_load(yaml.safe_dump(data))
-    assert data["env"]["train_hops"] == [2, 4] and data["model"]["path"] is None
+    assert data["env"]["train_hops"] == [4, 5] and data["model"]["path"] is None
     assert parse_config(yaml.safe_load(yaml.safe_dump(data))) == cfg
 
 

@@ -1,0 +1,27 @@
+"""What `treeopsd demo` prints about learning (launch/cmd_demo.py, launch/evaluation.py): the paired
+difference of held-out success before and after training with its standard error, and the training reward
+in windows of steps."""
+
+import math
+
+import pytest
+
+from launch.cmd_demo import reward_windows
+from launch.evaluation import paired_difference
+
+
+def test_paired_difference_by_hand():
+    before = {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.0, "x": 1.0}
+    after = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0, "y": 0.0}  # x, y: in one evaluation only, left out
+    gain, se, n = paired_difference(before, after)
+    # d = (1, 0, 1, 0): mean 0.5, sample variance (4 · 0.25) / 3 = 1/3, SE = sqrt(1/3 / 4) = 0.2887
+    assert n == 4 and gain == 0.5 and se == pytest.approx(math.sqrt(1 / 12), rel=1e-12)
+    assert paired_difference({"a": 1.0}, {"a": 0.0})[0] == -1.0 and math.isnan(paired_difference({}, {})[1])
+
+
+def test_reward_windows_by_hand():
+    points = [(s, 0.1 if s <= 20 else 0.3) for s in range(1, 51)]  # steps 1..50
+    # windows 1–20: 0.1; 21–40: 0.3; 41–50 is half a window of 20: it counts
+    assert reward_windows(points, 20) == [0.1, 0.3, 0.3]
+    assert reward_windows(points[:45], 20) == [0.1, 0.3]  # 41–45: a quarter window, dropped
+    assert reward_windows([(3, 0.5)], 20) == [0.5] and reward_windows([], 20) == []
