@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from launch.evaluation import paired_difference
     from launch.model_setup import ModelPathError, resolve_model
 
+    started = time.perf_counter()
     extra = list(args.overrides)
     run_dir = args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     extra.append(f"run.run_dir={run_dir}")
@@ -76,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         "tensorboard": f"tensorboard --logdir {Path(run_dir, 'tb').resolve()} --host 127.0.0.1",
         "checkpoint": summary["checkpoint"],
     }
+    report["wall_s"] = round(time.perf_counter() - started, 1)
     write_atomic(Path(run_dir, "demo.json"), json.dumps(report, indent=2).encode())
+    write_atomic(Path(run_dir, "demo.md"), render_markdown(report).encode())
     print(json.dumps(report, indent=2))
     print(
         f"\nsuccess (greedy, {before['n']} held-out questions): "
@@ -113,3 +116,26 @@ def _reward_points(run_dir: Path) -> list[tuple[int, float]]:
 
     tb = run_dir / "tb"
     return list(load_scalars(tb).get("reward/mean", [])) if tb.is_dir() else []
+
+
+def render_markdown(report: dict) -> str:
+    """RUN_DIR/demo.md: the demo's figures as the README shows them (copied to benchmarks/results/)."""
+    se = report["success_gain_paired_se"]
+    gain, before, after = report["success_gain"], report["success_before"], report["success_after"]
+    ratio = f"{gain / se:.1f}" if se and se > 0 else "n/a"
+    hops = sorted(set(report.get("per_hop_before") or {}) & set(report.get("per_hop_after") or {}))
+    lines = [
+        "# Demo",
+        "",
+        f"`make demo`: {report['steps']} asynchronous TreeOPSD steps in {report['train_s']:.0f} s, "
+        f"{report.get('wall_s', float('nan')) / 60:.1f} min from start to end.",
+        "",
+        f"* held-out success (greedy, {report['paired_tasks']} questions): {before:.3f} before → {after:.3f} "
+        f"after, {gain:+.3f} ± {se:.3f} (paired standard error; {ratio} SE)",
+    ]
+    for h in hops:
+        b, a = report["per_hop_before"][h], report["per_hop_after"][h]
+        lines.append(f"* {h}-hop ({b['n']} questions): {b['success']:.3f} → {a['success']:.3f}")
+    curve = " → ".join(f"{w:.2f}" for w in report.get("train_reward_windows") or [])
+    lines.append(f"* training reward, mean of each {WINDOW} steps: {curve}")
+    return "\n".join(lines) + "\n"

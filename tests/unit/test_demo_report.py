@@ -25,3 +25,19 @@ def test_reward_windows_by_hand():
     assert reward_windows(points, 20) == [0.1, 0.3, 0.3]
     assert reward_windows(points[:45], 20) == [0.1, 0.3]  # 41–45: a quarter window, dropped
     assert reward_windows([(3, 0.5)], 20) == [0.5] and reward_windows([], 20) == []
+
+
+def test_demo_markdown_reads_the_report():
+    from launch.cmd_demo import render_markdown
+
+    report = {
+        "steps": 200, "train_s": 290.4, "wall_s": 422.0, "paired_tasks": 80,
+        "success_before": 0.325, "success_after": 0.5, "success_gain": 0.175, "success_gain_paired_se": 0.0527,
+        "per_hop_before": {"4": {"n": 40, "success": 0.65}}, "per_hop_after": {"4": {"n": 40, "success": 0.7}},
+        "train_reward_windows": [0.16, 0.3],
+    }  # fmt: skip
+    md = render_markdown(report)
+    # 0.175 / 0.0527 = 3.32 SE; 422 s = 7.0 min
+    assert "0.325 before → 0.500 after, +0.175 ± 0.053 (paired standard error; 3.3 SE)" in md
+    assert "200 asynchronous TreeOPSD steps in 290 s, 7.0 min" in md
+    assert "* 4-hop (40 questions): 0.650 → 0.700" in md and "0.16 → 0.30" in md
