@@ -30,12 +30,11 @@ def test_reward_windows_by_hand():
 def test_demo_markdown_reads_the_report():
     from launch.cmd_demo import render_markdown
 
-    report = {
-        "steps": 200, "train_s": 290.4, "wall_s": 422.0, "paired_tasks": 80,
-        "success_before": 0.325, "success_after": 0.5, "success_gain": 0.175, "success_gain_paired_se": 0.0527,
-        "per_hop_before": {"4": {"n": 40, "success": 0.65}}, "per_hop_after": {"4": {"n": 40, "success": 0.7}},
-        "train_reward_windows": [0.16, 0.3],
-    }  # fmt: skip
+    report = {"steps": 200, "train_s": 290.4, "wall_s": 422.0, "paired_tasks": 80}
+    report.update(success_before=0.325, success_after=0.5, success_gain=0.175, success_gain_paired_se=0.0527)
+    report["per_hop_before"] = {"4": {"n": 40, "success": 0.65}}
+    report["per_hop_after"] = {"4": {"n": 40, "success": 0.7}}
+    report["train_reward_windows"] = [0.16, 0.3]
     md = render_markdown(report)
     # 0.175 / 0.0527 = 3.32 SE; 422 s = 7.0 min
     assert "0.325 before → 0.500 after, +0.175 ± 0.053 (paired standard error; 3.3 SE)" in md
