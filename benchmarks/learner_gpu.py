@@ -228,7 +228,7 @@ def bench_layout(shape: str, layout: str, device: torch.device, steps: int, args
 
 def run(args: Any) -> dict[str, Any]:
     """`bench learner --device D --shape S [--steps K]`: packed (K steps) then paths (≤ 2), their ratio."""
-    device = torch.device(getattr(args, "device", "cpu"))
+    device = torch.device(getattr(args, "device", None) or "cpu")
     shapes = [s.strip() for s in (getattr(args, "shape", None) or "tiny").split(",")]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:

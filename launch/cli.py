@@ -37,6 +37,17 @@ BENCH_MODULES = {"learner_ranks": "benchmarks.learner_ranks"}
 BENCH_ALIASES = {"learner_scale": "learner_ranks"}  # the name the issue tracker and earlier notes use
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count flag: an integer >= 1 (argparse makes the error one usage line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print one JSON object")
     p.add_argument("name", choices=(*BENCHMARKS, *BENCH_ALIASES, "all"))

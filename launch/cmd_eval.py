@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from launch.cli import positive_int
 from launch.evaluation import evaluate, take
 from launch.retrieval_recall import attach_qrels
 
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
     parser.add_argument("--data", action="append", default=None, help="a local dataset file (repeatable)")
-    parser.add_argument("--limit", type=int, default=None, help="at most N tasks per dataset")
+    parser.add_argument("--limit", type=positive_int, default=None, help="at most N tasks per dataset")
     parser.add_argument("--batch", type=int, default=32, help="episodes per backend call (default 32)")
     parser.add_argument(
         "--samples",

@@ -30,6 +30,8 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Any:
     """The checkpoint of `step` (verified), or the newest valid one; CheckpointError when there is none."""
     from storage.checkpoint import CheckpointError, checkpoint_root, load_latest, verify_checkpoint
 
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
     if step is not None:
         return verify_checkpoint(checkpoint_root(run_dir) / f"step_{step:06d}")
     ckpt = load_latest(run_dir)

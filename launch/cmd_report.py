@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if success_points:
         scalars = {**scalars, "demo/success": success_points}
     out = Path(args.out) if args.out else run_dir / "report"
+    if out.exists() and not out.is_dir():
+        print(f"treeopsd report: --out {out} is a file; pass a directory (new or existing)", file=sys.stderr)
+        return 2
     name = run_dir.resolve().name
     pngs = render_report(scalars, out, run_name=name)
     index = write_index(scalars, out, pngs, run_name=name, extra=facts)

@@ -20,20 +20,15 @@ import threading
 import time
 from typing import Any
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+from launch.cli import positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
-    parser.add_argument("--prompts", type=_positive, required=True, help="training prompts to sample (P)")
+    parser.add_argument("--prompts", type=positive_int, required=True, help="training prompts to sample (P)")
     parser.add_argument("--store", default=None, help="replay store folder (default: the config's store)")
-    parser.add_argument("--samplers", type=_positive, default=1, help="in-process sampler workers (K)")
-    parser.add_argument("--chunk", type=_positive, default=None, help="prompts per commit (default 8)")
+    parser.add_argument("--samplers", type=positive_int, default=1, help="in-process sampler workers (K)")
+    parser.add_argument("--chunk", type=positive_int, default=None, help="prompts per commit (default 8)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
 

@@ -78,6 +78,10 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
     reap_dead_run(run_dir)  # what a SIGKILLed driver of this run left behind (launch/leftovers.py)
     init_ray(cfg)
     sink = TensorboardSink(run_dir / "tb") if cfg.logging.tensorboard else NullSink()
+    if cfg.logging.tensorboard:
+        print(
+            f"watch it: tensorboard --logdir {(run_dir / 'tb').resolve()} --host 127.0.0.1", file=sys.stderr
+        )
     with GracefulStop() as stop:  # after init_ray: replaces Ray's SIGTERM handler (launch/signals.py)
         topo = start_topology(cfg, model_path, resume)
         record_local_ray(run_dir)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,6 +284,8 @@ class Driver:
                 self.progress.set_postfix(
                     reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
                 )
+            if getattr(self.progress, "disable", True) and self.step % self.cfg.logging.log_every == 0:
+                print(step_line(out, self.step, self.target), file=sys.stderr, flush=True)  # no bar: a line
         more = self.step < self.target
         self.topo.refs["learner"] = group.call("train_step", 0.05) if more else None  # on every rank
 
@@ -334,3 +337,10 @@ def stop_topology(topo: Topology) -> None:
         ray.kill(handle, no_restart=True)
     topo.manager.clear()  # kills the samplers
     stop_retrieval_service(topo.retrieval)
+
+
+def step_line(metrics: dict[str, float], step: int, target: int) -> str:
+    """The line a run without a progress bar prints every `logging.log_every` steps."""
+    reward, loss = metrics.get("reward/mean", float("nan")), metrics.get("learner/loss", float("nan"))
+    step_s = metrics.get("learner/step_s", float("nan"))
+    return f"step {step}/{target}: reward {reward:.3f}, loss {loss:.4f}, learner {step_s:.2f} s/step"
