@@ -22,13 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def request_scale(run_dir: str | os.PathLike, samplers: int) -> dict:
-    from launch.ray_run import CONTROL_FILE, read_control
+    from launch.leftovers import driver_alive
 
     run = Path(run_dir)
     if not (run / "config.yaml").exists():
         raise ValueError(f"{run} is not a treeopsd run directory (no config.yaml)")
     if samplers < 1:
         raise ValueError(f"--samplers must be >= 1, got {samplers}")
+    if driver_alive(run) is False:  # None: no record (a cluster run), the control file is the only way
+        raise ValueError(f"{run} is not running (its driver has exited); nothing would read the request")
+
+    from launch.ray_run import CONTROL_FILE, read_control  # Ray is imported only for a valid request
+
     control = {"samplers": samplers, "seq": int((read_control(run) or {}).get("seq", 0)) + 1}
     write_atomic(run / CONTROL_FILE, json.dumps(control).encode(), unique=True)  # never read half-written
     return control

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         store = ReplayStore(args.directory, create=False, readonly=True)
     except StoreError as e:
-        print(f"treeopsd store inspect: {e}")
+        print(f"treeopsd store inspect: {e}", file=sys.stderr)
         return 2
     with store:
         info = store.stats()

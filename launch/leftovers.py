@@ -65,6 +65,17 @@ def record_local_ray(run_dir: str | os.PathLike[str]) -> None:
     write_atomic(Path(run_dir) / RECORD, json.dumps(body).encode())
 
 
+def driver_alive(run_dir: str | os.PathLike[str]) -> bool | None:
+    """Whether the driver that recorded RUN_DIR/ray-local.json still runs (the same pid with the same start
+    time); None when there is no record (a run on a cluster, or one that never started)."""
+    try:
+        pid, started = json.loads((Path(run_dir) / RECORD).read_text())["driver"]
+    except (OSError, ValueError, KeyError):
+        return None
+    st = _stat(int(pid))
+    return st is not None and st[1] == started
+
+
 def reap_dead_run(run_dir: str | os.PathLike[str]) -> list[int]:
     """Kills what a dead driver of this run directory left running; returns the pids killed."""
     path = Path(run_dir) / RECORD
@@ -72,9 +83,7 @@ def reap_dead_run(run_dir: str | os.PathLike[str]) -> list[int]:
         body = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    pid, started = body["driver"]
-    st = _stat(int(pid))
-    if st is not None and st[1] == started:  # that driver is alive: not ours to touch
+    if driver_alive(run_dir):  # that driver is alive: not ours to touch
         return []
     killed = []
     for child, start in body["processes"]:

@@ -177,7 +177,8 @@ def init_or_check(root: Path, create: bool) -> None:
     if root.exists() and any(root.iterdir()):
         raise StoreError(f"{root}: not a treeopsd replay store (no {MARKER}); refusing a non-empty directory")
     if not create:
-        raise StoreError(f"{root}: no treeopsd replay store here (create=False)")
+        what = "does not exist" if not root.exists() else "is empty"
+        raise StoreError(f"{root}: no treeopsd replay store here (the directory {what})")
     for sub in ("segments", "quarantine"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     write_atomic(root / MARKER, json.dumps({"format": FORMAT, "layout_version": LAYOUT_VERSION}).encode())

@@ -22,6 +22,14 @@ ROWS = [
     (["bench", "learner", "--shape", "qwen9"], "--shape 'qwen9' is not one of"),
     (["bench", "learner", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["bench", "nosuch"], "argument name: invalid choice: 'nosuch'"),
+    (["scale", "{tmp}/no-run", "--samplers", "2"], "{tmp}/no-run is not a treeopsd run directory"),
+    (["scale", "{run}", "--samplers", "2"], "{run} is not running (its driver has exited)"),
+    (
+        ["store", "inspect", "{tmp}/no-store"],
+        "{tmp}/no-store: no treeopsd replay store here (the directory does",
+    ),
+    (["eval", "--data", "{tmp}/q.jsonl", "env.name=multihop_qa"], "--data {tmp}/q.jsonl: no such file"),
+    (["model", "import", "{tmp}/m.gguf", "{tmp}/out"], "{tmp}/m.gguf: no such file"),
 ]
 
 
@@ -34,8 +42,10 @@ def exit_code(argv: list[str]) -> int:
 
 @pytest.mark.parametrize(("argv", "wanted"), ROWS, ids=[" ".join(r[0][:3]) for r in ROWS])
 def test_bad_input_is_one_line_and_exit_2(argv, wanted, tmp_path, capsys):
-    run = tmp_path / "run"
+    run = tmp_path / "run"  # a stopped run: its config, logs, and the record of a driver long gone
     (run / "tb").mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {}\n")
+    (run / "ray-local.json").write_text('{"driver": [999999999, 1], "processes": []}')
     (tmp_path / "a-file").write_text("x")
     fill = {"tmp": str(tmp_path), "run": str(run), "file": str(tmp_path / "a-file")}
     argv = [a.format(**fill) for a in argv]
