@@ -281,7 +281,7 @@ class ResourcesConfig(_Section):
 class LoggingConfig(_Section):
     tensorboard: StrictBool = True
     progress: StrictBool = True
-    log_every: PosInt = 10  # without a progress bar: a metrics line on stderr every this many steps
+    log_every: PosInt = 1  # without a progress bar: a metrics line on stderr every this many steps
 
 
 class Config(_Section):

@@ -3,8 +3,9 @@
     treeopsd train --config configs/default.yaml --steps 20 --run-dir runs/x [--resume] [--sync] [k=v ...]
 
 The run directory holds everything: config.yaml, store/ (the replay store), checkpoints/, tb/ (tensorboard),
-summary.json. `--resume` continues from the newest checkpoint: the store is rewound to the checkpoint's
-consumed watermark, so no batch is trained twice and none skipped.
+summary.json. Left at runs/default (nobody chose one), each run gets its own runs/<run.name>-<time>, and
+--resume picks the newest of them. `--resume` continues from the newest checkpoint: the store is rewound
+to the checkpoint's consumed watermark, so no batch is trained twice and none skipped.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> Any:
     from configs.schema import load_config
 
+    cfg = load_config(args.config, _overrides(args))
+    chosen = args.run_dir is not None or any(o.startswith("run.run_dir=") for o in args.overrides)
+    run_dir = choose_run_dir(
+        cfg.run.run_dir, cfg.run.name, chosen, args.resume, time.strftime("%Y%m%d-%H%M%S")
+    )
+    if run_dir == cfg.run.run_dir:
+        return cfg
+    return load_config(args.config, [*_overrides(args), f"run.run_dir={run_dir}"])
+
+
+UNCHOSEN_RUN_DIR = "runs/default"  # the schema's and the embedded config's run.run_dir
+
+
+def choose_run_dir(
+    run_dir: str, name: str, chosen: bool, resume: bool, stamp: str, unchosen: str = UNCHOSEN_RUN_DIR
+) -> str:
+    """`run.run_dir`, unless nobody chose it (still runs/default): then a fresh run gets its own
+    runs/<name>-<stamp>, so a second `treeopsd train` never meets the first one's directory, and --resume
+    continues the newest runs/<name>-* that holds a run (runs/default itself when none does)."""
+    if chosen or run_dir != unchosen:
+        return run_dir
+    parent = Path(run_dir).parent
+    if not resume:
+        return str(parent / f"{name}-{stamp}")
+    runs = sorted(p for p in parent.glob(f"{name}-*") if (p / "config.yaml").exists())
+    return str(runs[-1]) if runs else run_dir
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
     extra = list(args.overrides)
     if args.steps is not None:
         extra.append(f"run.steps={args.steps}")
@@ -42,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         extra.append("logging.progress=false")
     if getattr(args, "eval_tasks", None) is not None:
         extra.append(f"run.eval_tasks={args.eval_tasks}")
-    return load_config(args.config, extra)
+    return extra
 
 
 def prepare_run_dir(cfg: Any, resume: bool) -> Path:

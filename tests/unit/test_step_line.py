@@ -13,5 +13,5 @@ def test_step_line_by_hand():
 
 
 def test_log_every_is_a_positive_integer():
-    assert parse_config({}).logging.log_every == 10
-    assert parse_config({}, ["logging.log_every=1"]).logging.log_every == 1
+    assert parse_config({}).logging.log_every == 1
+    assert parse_config({}, ["logging.log_every=20"]).logging.log_every == 20
