@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 COMMANDS = {
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' own progress bars (loading and writing weights, a few ms each) follow the hub's
+    # switch; the project's bars (steps, evaluation) stay. HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them too.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may stand anywhere (`treeopsd eval a.b=1 --samples 4 c.d=2`): argparse only takes one run
