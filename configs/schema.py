@@ -282,6 +282,12 @@ class LoggingConfig(_Section):
     tensorboard: StrictBool = True
     progress: StrictBool = True
     log_every: PosInt = 1  # without a progress bar: a metrics line on stderr every this many steps
+    # trackers beside tensorboard (storage/tracking.py), the same scalars and steps; off by default
+    wandb: StrictBool = False
+    wandb_project: NonEmptyStr = "treeopsd"
+    mlflow: StrictBool = False
+    mlflow_experiment: NonEmptyStr = "treeopsd"
+    mlflow_uri: NonEmptyStr | None = None  # a tracking server's URL; None: RUN_DIR/mlruns (file store)
 
 
 class Config(_Section):

@@ -57,10 +57,10 @@ def soak(cfg: Any, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     from launch.ray_run import Driver, init_ray, start_topology, stop_topology
     from launch.signals import GracefulStop, finish_step
     from launch.soak import Killer, MemoryWatch
-    from storage.metrics import NullSink, TensorboardSink
+    from storage.tracking import run_sink
 
     init_ray(cfg)
-    sink = TensorboardSink(Path(cfg.run.run_dir) / "tb") if cfg.logging.tensorboard else NullSink()
+    sink = run_sink(cfg, Path(cfg.run.run_dir))
     killer, memory = Killer(args.every, ROLES, args.seed), MemoryWatch(args.memory_every)
     with GracefulStop() as stop:
         topo = start_topology(cfg, model_path)

@@ -103,12 +103,12 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
     from launch.ray_run import Driver, init_ray, start_topology, stop_topology
     from launch.signals import Abort, GracefulStop, finish_step
     from storage.durable import write_atomic
-    from storage.metrics import NullSink, TensorboardSink
+    from storage.tracking import run_sink
 
     run_dir = Path(cfg.run.run_dir)
     reap_dead_run(run_dir)  # what a SIGKILLed driver of this run left behind (launch/leftovers.py)
     init_ray(cfg)
-    sink = TensorboardSink(run_dir / "tb") if cfg.logging.tensorboard else NullSink()
+    sink = run_sink(cfg, run_dir)
     if cfg.logging.tensorboard:
         print(
             f"watch it: tensorboard --logdir {(run_dir / 'tb').resolve()} --host 127.0.0.1", file=sys.stderr
@@ -145,11 +145,13 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError
     from launch.model_setup import ModelPathError, resolve_model
+    from storage.tracking import check_trackers
 
     try:
         cfg = config_from_args(args)
+        check_trackers(cfg.logging)
         model_path = resolve_model(cfg, progress=cfg.logging.progress)
-    except (ConfigError, ModelPathError) as e:
+    except (ConfigError, ModelPathError, ValueError) as e:
         print(f"treeopsd train: {e}", file=sys.stderr)
         return 2
     prepare_run_dir(cfg, args.resume)

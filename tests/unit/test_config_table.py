@@ -170,7 +170,11 @@ BAD = [
     # logging
     ("logging.progress=maybe", r"^logging\.progress = 'maybe' is invalid: expected true or false$"),
     ("logging.tensorboard=0", r"^logging\.tensorboard = 0 is invalid: expected true or false$"),
-    ("logging.colour=true", r"^unknown key logging\.colour; allowed keys: log_every, progress, tensorboard$"),
+    (
+        "logging.colour=true",
+        r"^unknown key logging\.colour; allowed keys: log_every, mlflow, mlflow_experiment, mlflow_uri, "
+        r"progress, tensorboard, wandb, wandb_project$",
+    ),
 ]
 
 
