@@ -33,7 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
     from launch.cmd_train import evaluate_split, prepare_run_dir, train
-    from launch.evaluation import paired_difference
     from launch.model_setup import ModelPathError, resolve_model
 
     started = time.perf_counter()
@@ -60,9 +59,21 @@ def run(args: argparse.Namespace) -> int:
     summary = train(cfg, model_path, progress=cfg.logging.progress)
     print("[4/4] evaluating the trained model", file=sys.stderr)
     after = evaluate_split(cfg, summary["checkpoint"])
+    report = demo_report(before, after, summary, Path(run_dir))
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    write_atomic(Path(run_dir, "demo.json"), json.dumps(report, indent=2).encode())
+    write_atomic(Path(run_dir, "demo.md"), render_markdown(report).encode())
+    print(json.dumps(report, indent=2))
+    print("\n" + render_markdown(report).split("\n\n", 2)[2], file=sys.stderr)  # the figures, as in demo.md
+    return 0
+
+
+def demo_report(before: dict, after: dict, summary: dict, run_dir: Path) -> dict:
+    """demo.json: both evaluations, their paired difference, the training reward curve, where things are."""
+    from launch.evaluation import paired_difference
+
     gain, se, n = paired_difference(before.pop("task_rewards"), after.pop("task_rewards"))
-    windows = reward_windows(_reward_points(Path(run_dir)), WINDOW)
-    report = {
+    return {
         "success_before": before["success"],
         "success_after": after["success"],
         "per_hop_before": before.get("per_hop"),
@@ -70,27 +81,13 @@ def run(args: argparse.Namespace) -> int:
         "success_gain": round(gain, 4),
         "success_gain_paired_se": round(se, 4),
         "paired_tasks": n,
-        "train_reward_windows": windows,
+        "train_reward_windows": reward_windows(_reward_points(run_dir), WINDOW),
         "steps": summary["steps"],
         "train_s": round(summary["elapsed_s"], 1),
-        "run_dir": str(Path(run_dir).resolve()),
-        "tensorboard": f"tensorboard --logdir {Path(run_dir, 'tb').resolve()} --host 127.0.0.1",
+        "run_dir": str(run_dir.resolve()),
+        "tensorboard": f"tensorboard --logdir {(run_dir / 'tb').resolve()} --host 127.0.0.1",
         "checkpoint": summary["checkpoint"],
     }
-    report["wall_s"] = round(time.perf_counter() - started, 1)
-    write_atomic(Path(run_dir, "demo.json"), json.dumps(report, indent=2).encode())
-    write_atomic(Path(run_dir, "demo.md"), render_markdown(report).encode())
-    print(json.dumps(report, indent=2))
-    print(
-        f"\nsuccess (greedy, {before['n']} held-out questions): "
-        f"{before['success']:.3f} before → {after['success']:.3f} after {summary['steps']} steps: "
-        f"{gain:+.3f} ± {se:.3f} (paired standard error, {gain / se if se > 0 else float('nan'):.1f} SE)",
-        file=sys.stderr,
-    )
-    if windows:
-        curve = " → ".join(f"{w:.2f}" for w in windows)
-        print(f"training reward, mean of each {WINDOW} steps: {curve}", file=sys.stderr)
-    return 0
 
 
 WINDOW = 20  # steps per window of the printed training-reward curve
