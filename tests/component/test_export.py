@@ -63,6 +63,9 @@ def test_export_picks_the_step_casts_and_refuses_what_it_cannot_write(trained, t
     assert main(["export", str(tmp_path / "run"), str(out)]) == 2  # OUT exists
     assert "exists" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "hf2")]) == 2
+    assert f"run directory {tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()  # a folder, but no run in it
+    assert main(["export", str(tmp_path / "empty"), str(tmp_path / "hf2")]) == 2
     assert "no valid checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "hf2").exists()
 
