@@ -285,7 +285,8 @@ class Driver:
                     reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
                 )
             if getattr(self.progress, "disable", True) and self.step % self.cfg.logging.log_every == 0:
-                print(step_line(out, self.step, self.target), file=sys.stderr, flush=True)  # no bar: a line
+                line = step_line(out, self.step, self.cfg.run.steps)  # no bar: a line every log_every steps
+                print(line, file=sys.stderr, flush=True)
         more = self.step < self.target
         self.topo.refs["learner"] = group.call("train_step", 0.05) if more else None  # on every rank
 
