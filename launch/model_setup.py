@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,11 @@ def tiny_model_dir(cfg: Config, steps: int | None = None, models_dir: str | Path
 def cached_tiny_model(cfg: Config) -> str | None:
     """The warm-started tiny model's folder if a finished warm-start is there, else None (no training)."""
     out = tiny_model_dir(cfg)
-    done = (out / "warmstart.json").is_file() and (out / "model.safetensors").is_file()
-    return str(out) if done else None
+    return str(out) if _finished(out) else None
+
+
+def _finished(folder: Path) -> bool:
+    return (folder / "warmstart.json").is_file() and (folder / "model.safetensors").is_file()
 
 
 def warm_start_tiny(
@@ -130,6 +134,13 @@ def resolve_model(cfg: Config, progress: bool = True, models_dir: str | Path | N
     if cfg.model.path:
         return check_model_path(cfg.model.path, models_dir=models_dir or models_dir_of(cfg))
     out = tiny_model_dir(cfg, models_dir=models_dir)
+    if not _finished(out):
+        # said before the build, bar or no bar: a silent first run looks hung for minutes
+        print(
+            f"treeopsd: building the tiny model and warm-starting it ({cfg.model.warmstart_steps} SFT steps, "
+            f"~2 min on 2 cores) into {out}; later runs with run_dir in the same folder reuse it",
+            file=sys.stderr,
+        )
     return str(warm_start_tiny(cfg, out=out, progress=progress)["model_dir"])
 
 
