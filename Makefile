@@ -36,7 +36,8 @@ gpu-check:
 
 # The learner at Qwen3 shapes on one CUDA GPU (random init, no download), tree-packed against path-by-path,
 # in under 8 minutes: every figure a JSON line on stderr as it is measured, the whole in
-# benchmarks/results/learner_gpu.json and .md (what the README reads). `--device cpu --shape tiny` is the CI dry run.
+# benchmarks/results/learner_gpu.json and .md (what docs/results.md reads). `--device cpu --shape tiny` is the
+# CI dry run.
 GPU_BENCH_OUT ?= benchmarks/results
 GPU_BENCH_S ?= 240 200
 GPU_BENCH_ARGS ?=
@@ -68,14 +69,15 @@ bench: $(STAMP)
 paper-tune: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/paper_tune.yaml --jobs 2
 
-# The paper's comparison table at small scale (README "Results" has its wall time); --quick fits 15 minutes.
+# The paper's comparison table at small scale (docs/results.md has its wall time); --quick fits 15 minutes.
 paper-table: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/paper_table.yaml
 
 paper-table-quick: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/paper_table.yaml --quick
 
-# README.md's results blocks from benchmarks/results/*.md (a test fails when they drift apart).
+# The results blocks of README.md and docs/*.md from benchmarks/results/*.md (a test fails when they drift
+# apart).
 readme: $(STAMP)
 	$(PY) -m launch.readme_results
 

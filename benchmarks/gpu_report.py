@@ -1,10 +1,10 @@
-"""The GPU learner benchmark's results file and its README table (`make gpu-bench` runs this last).
+"""The GPU learner benchmark's results file and its docs/results.md table (`make gpu-bench` runs this last).
 
     python -m benchmarks.gpu_report OUT/learner_gpu.json OUT/learner_gpu_0.6b.json OUT/learner_gpu_4b.json
         # merges the per-shape runs into OUT/learner_gpu.json (keeping what it already holds for other
         # shapes, the ablations and the profile) and writes OUT/learner_gpu.md beside it
 
-The markdown is what README.md's `<!-- results: benchmarks/results/learner_gpu.md -->` block shows.
+The markdown is what docs/results.md's `<!-- results: benchmarks/results/learner_gpu.md -->` block shows.
 """
 
 from __future__ import annotations

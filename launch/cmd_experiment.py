@@ -1,6 +1,6 @@
 """`treeopsd experiment SPEC`: the paper's comparison grid at small scale (`make paper-table`).
 
-    treeopsd experiment configs/paper_table.yaml            # every row x 3 seeds; the README states its time
+    treeopsd experiment configs/paper_table.yaml            # every row x 3 seeds; docs/results.md: its time
     treeopsd experiment configs/paper_table.yaml --quick    # the spec's `quick` settings (fits 20 minutes)
     treeopsd experiment SPEC --dry-run                      # the plan: runs, rows sharing them, costs
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 CURVE_KEYS = ("reward/mean", "learner/loss", "learner/grad_norm", "learner/max_abs_s", "tree/leaves")
-# What the runner imposes on every run (documented in the README's Results section).
+# What the runner imposes on every run (documented in docs/results.md).
 RUN_SETTINGS = (
     "run.mode=sync", "store.eta=0", "sampler.num_samplers=1", "logging.progress=false",
     "learner.checkpoint_every=1000000",  # the run saves its final weights itself

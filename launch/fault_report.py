@@ -1,9 +1,9 @@
-"""The README's fault-tolerance figures, rendered from the reports the soak and the drill write.
+"""The fault-tolerance figures of docs/results.md, rendered from the reports the soak and the drill write.
 
     python -m launch.fault_report benchmarks/results     # soak.json, drill.json there → faults.md
 
 `treeopsd soak --results DIR` and `treeopsd drill --results DIR` copy their report to DIR/soak.json or
-DIR/drill.json and call this; the README shows DIR/faults.md (`make readme`).
+DIR/drill.json and call this; docs/results.md shows DIR/faults.md (`make readme`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The README's fault-tolerance block (launch/fault_report.py) is rendered from the soak's and the drill's
-reports: every figure in it comes from those files."""
+"""The fault-tolerance block of docs/results.md (launch/fault_report.py) is rendered from the soak's and the
+drill's reports: every figure in it comes from those files."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""benchmarks/gpu_report.py: per-shape runs merged into the results file, and the README table with its
-goals read off the figures (met or not, never typed)."""
+"""benchmarks/gpu_report.py: per-shape runs merged into the results file, and the docs/results.md table with
+its goals read off the figures (met or not, never typed)."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""The import rules the README states ("Layers and import rules"; docs/design.md §8), checked by walking every
-module's imports. The README lists exactly these five rules, in this order."""
+"""The import rules docs/architecture.md states ("Layers and import rules"; docs/design.md §8), checked by
+walking every module's imports. That page lists exactly these five rules, in this order."""
 
 import ast
 from pathlib import Path

@@ -1,6 +1,8 @@
 """README.md names only things that exist: every `treeopsd <cmd>` is a subcommand of launch/cli.py's parser,
 every `section.key` config key is a field of configs/schema.py, every repository path is in the tree, and
-every data line of "Quick start on your own model and data" loads through the loader it is named for.
+every data line of "Quick start on your own model and data" loads through the loader it is named for. The
+docs pages that hold what moved out of the README (MOVED_PAGES) get the same command, key and path checks,
+their links resolved from docs/.
 
 Names are read from code: inline code spans (in backticks) and fenced code blocks, plus the targets of
 relative links. Each assertion lists every offender.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import typing
 from pathlib import Path
@@ -166,6 +169,32 @@ def test_every_repository_path_exists():
     assert len(paths) > 30, "the README names repository paths; the scan found almost none"
     bad = [p for p in paths if not (ROOT / p).exists()]
     assert not bad, f"README.md names paths that are not in the repository: {bad}"
+
+
+# ---- the docs pages that hold what moved out of the README -----------------------------------------------
+
+MOVED_PAGES = ("docs/architecture.md", "docs/results.md", "docs/configuration.md")
+
+
+def page_link_targets(page: str) -> list[str]:
+    """A page's relative link targets as repository paths (resolved from the page's folder)."""
+    folder = Path(page).parent
+    return [os.path.normpath(folder / t.split("#", 1)[0]) for t in link_targets((ROOT / page).read_text())]
+
+
+def test_the_moved_pages_name_only_commands_keys_and_paths_that_exist():
+    bad, paths, keys = [], set(), set()
+    for page in MOVED_PAGES:
+        codes = code_texts((ROOT / page).read_text())
+        bad += [f"{page}: {c}" for c in bad_commands(codes)]
+        page_keys = config_keys(codes)
+        bad += [f"{page}: {k}" for k in page_keys if not key_exists(k)]
+        page_paths = repo_paths(codes + page_link_targets(page))
+        bad += [f"{page}: {p}" for p in page_paths if not (ROOT / p).exists()]
+        paths |= set(page_paths)
+        keys |= set(page_keys)
+    assert len(paths) > 30 and len(keys) > 10, "the moved pages name paths and keys; the scan found few"
+    assert not bad, f"docs pages name commands, config keys or paths that do not exist: {bad}"
 
 
 # ---- the quick start's data lines -------------------------------------------------------------------------
