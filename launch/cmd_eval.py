@@ -58,6 +58,9 @@ def eval_sets(cfg: Any, data: Sequence[str]) -> list[tuple[str, Any, list[Any]]]
     """(label, env, tasks) per dataset: the config's eval split, or one per `--data` file."""
     from actors.sampler_setup import build_env, load_split
 
+    missing = [p for p in data if not Path(p).is_file()]
+    if missing:  # the file first: naming env.name for a mistyped path sends the user the wrong way
+        raise EvalDataError(f"--data {missing[0]}: no such file")
     if cfg.env.name == "synthetic_kb":
         if data:
             raise EvalDataError(

@@ -29,6 +29,7 @@ ROWS = [
         "{tmp}/no-store: no treeopsd replay store here (the directory does",
     ),
     (["eval", "--data", "{tmp}/q.jsonl", "env.name=multihop_qa"], "--data {tmp}/q.jsonl: no such file"),
+    (["eval", "--data", "{tmp}/q.jsonl"], "--data {tmp}/q.jsonl: no such file"),  # not "needs env.name"
     (["model", "import", "{tmp}/m.gguf", "{tmp}/out"], "{tmp}/m.gguf: no such file"),
 ]
 
