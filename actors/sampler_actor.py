@@ -32,8 +32,11 @@ STORE_DOWN_BACKOFF_S = 0.5  # before returning, so the driver's next call does n
 
 class SamplerActor(TreeSampler, FaultAwareApply):
     def __init__(
-        self, cfg: dict[str, Any], model_path: str, index: int, store: Any, endpoint: str | None, key=None
+        self, cfg: dict[str, Any], model_path: str, index: int, store: str, endpoint: str | None, key=None
     ) -> None:
+        # The store arrives by name, not as a handle: Ray keeps an actor handle passed to a constructor in
+        # the object store, which a restarted sampler (max_restarts > 0) cannot rely on (ray-project/ray
+        # #53727, logged as an error at every start); a name is looked up again by each incarnation.
         # FaultAwareApply.apply() reads these when an applied call raises
         self.config = SimpleNamespace(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=0)
         self.cfg: Config = parse_config(cfg)
@@ -42,7 +45,7 @@ class SamplerActor(TreeSampler, FaultAwareApply):
         self.sub = WeightSubscriber(endpoint, key, fetch_timeout_s=timeout) if endpoint else None
         parts = sampler_parts(self.cfg, model_path, index, incarnation)
         parts["prefix"] = f"s{index}-{uuid.uuid4().hex[:8]}"
-        super().__init__(**parts, store=RemoteStore(store), weights=self.sub)
+        super().__init__(**parts, store=RemoteStore(ray.get_actor(store)), weights=self.sub)
 
     def sample_and_commit(self, n: int, min_version: int = 0, wait_s: float = 60.0) -> dict[str, Any]:
         """TreeSampler's; when the store actor is unavailable, the call returns nothing admitted and counts

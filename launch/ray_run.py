@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,12 @@ def init_ray(cfg: Config | None = None) -> None:
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV}}
+    # roles log to their own files; the driver prints warnings and above only
+    quiet = {"runtime_env": env, "log_to_driver": False, "logging_level": logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=False)
+        ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=False)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
 
 
 def role_options(cfg: Config, role: str) -> dict[str, Any]:
@@ -103,8 +106,9 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
     check_pools(cfg)  # a pool no node provides fails here, before any actor starts
     data = to_dict(cfg)
     retrieval = start_retrieval_service(cfg, data)  # before the samplers: they get its URL through `data`
+    store_name = f"treeopsd-store-{uuid.uuid4().hex[:12]}"  # samplers look it up by name (SamplerActor)
     store = start_store_actor(
-        cfg.store_dir, eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees,
+        cfg.store_dir, name=store_name, eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees,
         max_restarts=cfg.run.max_store_restarts,  # Ray restarts a dead store in place (launch/supervision.py)
         run_dir=cfg.run.run_dir,  # RUN_DIR/logs/store-0.log
     )  # fmt: skip
@@ -115,7 +119,7 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
     sampler_role = with_role_log(SamplerActor, logs, "sampler", index_arg=2)  # arg 2: the sampler index
     sampler_cls = ray.remote(max_restarts=cfg.sampler.max_restarts)(sampler_role)
     backup = start_backup(cfg, store)
-    args = (data, model_path, store, endpoint, key)
+    args = (data, model_path, store_name, endpoint, key)
     topo = Topology(store, learner, backup, FaultTolerantActorManager([], 1), sampler_cls, args)
     topo.retrieval, topo.learners = retrieval, learners
     scale_samplers(topo, cfg, cfg.sampler.num_samplers)
@@ -127,10 +131,10 @@ def scale_samplers(topo: Topology, cfg: Config, n: int, retiring: frozenset[int]
     to retire when there are more than n — the driver stops calling those and removes them when idle."""
     ids = sorted(i for i in topo.manager.actor_ids() if i not in retiring)
     for _ in range(n - len(ids)):
-        data, model_path, store, endpoint, key = topo.args
+        data, model_path, store_name, endpoint, key = topo.args
         opts = role_options(cfg, "sampler")
         actor = topo.sampler_cls.options(**opts).remote(
-            data, model_path, topo.next_index, store, endpoint, key
+            data, model_path, topo.next_index, store_name, endpoint, key
         )
         topo.next_index += 1
         topo.manager.add_actors([actor])

@@ -285,9 +285,9 @@ class Supervisor:
         from launch.learner_group import start_learner_group
         from launch.ray_run import role_options
 
-        _, model_path, store, _, _ = self.topo.args
+        model_path = self.topo.args[1]
         group = start_learner_group(
-            self.cfg, data, model_path, store, True, role_options(self.cfg, "learner")
+            self.cfg, data, model_path, self.topo.store, True, role_options(self.cfg, "learner")
         )
         try:
             return group, tuple(ray.get(group.rank0.endpoint.remote()))  # type: ignore[return-value]
@@ -300,11 +300,11 @@ class Supervisor:
         subscribe to the new endpoint."""
         from launch.ray_run import scale_samplers
 
-        data, model_path, store, old, old_key = self.topo.args
+        data, model_path, store_name, old, old_key = self.topo.args
         if tuple(endpoint) == (old, old_key):
             return
         log.warning("weights moved from %s to %s: replacing the samplers", old, endpoint[0])
-        self.topo.args = (data, model_path, store, endpoint[0], endpoint[1])
+        self.topo.args = (data, model_path, store_name, endpoint[0], endpoint[1])
         active = [i for i in self.topo.manager.actor_ids() if i not in driver.retiring]
         driver.retiring |= set(active)
         scale_samplers(self.topo, self.cfg, len(active), frozenset(driver.retiring))
