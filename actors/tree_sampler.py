@@ -42,6 +42,7 @@ from actors.turn_server import BatchedTurns, as_turn_server
 from actors.weight_gate import WeightGate, WeightPoller
 from system.interfaces import StoreClient, WeightSink
 from system.policy import PolicyBackend, TurnServer
+from system.staleness import cut_turns
 from system.tree import RolloutTree
 from system.tree_build import TreeBuilder, plan_anchors
 
@@ -157,6 +158,8 @@ class TreeSampler:
         self.stats["sampler/busy_s"] += busy
         self.stats["sampler/tokens_per_s"] = tokens / max(busy, 1e-9)
         self.stats["sampler/dropped_trees"] = float(self.dropped_trees)
+        turns = sum(len(t.nodes) - 1 for t in trees)
+        self.stats["sampler/truncated_frac"] = sum(cut_turns(t) for t in trees) / max(turns, 1)  # this call's
         return trees
 
     def get_metrics(self) -> dict[str, float]:

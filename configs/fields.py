@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.functional_validators import AfterValidator, BeforeValidator
 from pydantic.types import StrictInt, StrictStr
 from pydantic_core import PydanticCustomError
@@ -20,6 +20,12 @@ _CLIP = "a list of 2 values [low, high] with 0 < low < 1 and high > 0"
 _HOPS = "a list of 2 integers [low, high] with 1 <= low <= high"
 _S = TypeVar("_S", bound=BaseModel)
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # the head sizes vLLM's CPU attention runs
+
+
+class Section(BaseModel):
+    """A config section: immutable, unknown keys rejected, defaults validated too."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
 def pair_of_two(value: Any) -> Any:
@@ -48,6 +54,10 @@ UnitFloat = Annotated[Float, Field(gt=0, lt=1)]
 Clip = Annotated[tuple[UnitFloat, PosFloat], BeforeValidator(pair_of_two), Allowed(_CLIP)]
 Hops = Annotated[
     tuple[PosInt, PosInt], BeforeValidator(pair_of_two), AfterValidator(low_le_high), Allowed(_HOPS)
+]
+_BAND = "a list of 2 values [low, high] with 0 < low < 1 < high"
+Band = Annotated[
+    tuple[UnitFloat, Annotated[Float, Field(gt=1)]], BeforeValidator(pair_of_two), Allowed(_BAND)
 ]
 Url = Annotated[StrictStr, Field(pattern=r"^https?://\S+$"), Allowed("an http:// or https:// URL")]
 

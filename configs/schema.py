@@ -18,16 +18,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from pydantic.functional_validators import AfterValidator, model_validator
 from pydantic.types import StrictBool, StrictInt
 
+from configs.algo import AlgoConfig
 from configs.engine_args import check_engine_args
 from configs.fields import (
     HEAD_DIMS,
     PORT_ALLOWED,
-    RHO_ALLOWED,
-    Clip,
     Float,
     Hops,
     Host,
@@ -37,6 +36,7 @@ from configs.fields import (
     PoolName,
     PosFloat,
     PosInt,
+    Section,
     Url,
     rule,
 )
@@ -47,8 +47,7 @@ class ConfigError(ValueError):
     """A configuration problem, naming the key."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+_Section = Section
 
 
 class RunConfig(_Section):
@@ -64,60 +63,9 @@ class RunConfig(_Section):
     max_learner_restarts: NonNegInt = 3
     max_store_restarts: NonNegInt = 3  # the store actor, restarted by Ray: it reopens from disk
     max_backup_restarts: NonNegInt = 10  # the backup actor is stateless: its leased trees come back
-
-
-class AlgoConfig(_Section):
-    method: Literal["treeopsd", "grpo", "gspo", "treepo"] = "treeopsd"
-    M: PosInt = 4  # initial trajectories per prompt (tree methods)
-    N: NonNegInt = 2  # branches per trajectory
-    G: Annotated[StrictInt, Field(ge=2)] = 8  # group size (GRPO, GSPO)
-    rho: Annotated[Float, Field(gt=0, lt=0.5), Allowed(RHO_ALLOWED)] = 0.1
-    teacher: Literal["odds", "logistic"] = "odds"
-    credit: Literal["pointwise", "listwise"] = "pointwise"
-    backup_weights: Literal["uniform", "geo_likelihood", "seq_likelihood", "leaf_count"] = "uniform"
-    tau_mode: Literal["per_tree", "global"] = "per_tree"
-    anchor_shortfall: Literal["skip", "reallocate"] = "skip"
-    zero_var_trees: Literal["keep", "drop"] = "keep"
-    on_verifier_error: Literal["zero", "drop_tree"] = "zero"
-    mask_truncated_turn: StrictBool = False
-    behavior_logprobs: Literal["sampler", "recompute"] = "sampler"
-    grpo_clip: Clip = (0.2, 0.2)
-    gspo_clip: Clip = (3e-4, 4e-4)
-    treepo_clip: Clip = (0.2, 0.28)
-    treepo_filter_zero_std: StrictBool = False
-    dual_clip: StrictBool = False  # GRPO/TreePO dual clip (verl's clip_ratio_c): objective >= c·A where A < 0
-    dual_clip_c: Annotated[Float, Field(gt=1)] = 3.0
-    depth_correction: StrictBool = (
-        False  # TreeOPSD: weight each depth as flat sampling would (algorithm §5.3)
-    )
-    nonfinite_turn_limit: Annotated[Float, Field(ge=0, lt=1)] = 0.01
-
-    @model_validator(mode="after")
-    def _depth_correction_for_treeopsd(self) -> Self:
-        ok = not self.depth_correction or self.method == "treeopsd"
-        return rule(
-            self, ok, "depth_correction", "false unless algo.method = treeopsd (it reweights its loss)"
-        )
-
-    @model_validator(mode="after")
-    def _listwise_rho(self) -> Self:
-        # |V_c − V_parent| is not bounded by the ρ calibration (system/teacher.py)
-        listwise_ok = self.credit != "listwise" or self.rho < 0.25
-        return rule(self, listwise_ok, "rho", "< 0.25 with algo.credit = listwise, so q stays in (0, 1)")
-
-    @property
-    def is_tree_method(self) -> bool:
-        return self.method in ("treeopsd", "treepo")
-
-    @property
-    def nominal_leaves(self) -> int:
-        """K = M(1+N) for tree methods, G for flat ones."""
-        return self.M * (1 + self.N) if self.is_tree_method else self.G
-
-    @property
-    def expected_cost(self) -> float:
-        """Full-trajectory equivalents per prompt, docs/algorithm.md §2.3: M(1 + N/2), or G."""
-        return self.M * (1 + self.N / 2) if self.is_tree_method else float(self.G)
+    # in-process runs only (launch/local_run.py; the staleness table): samplers get the learner's weights this
+    # many versions late, a controlled lag; `treeopsd train` (Ray) refuses it above 0
+    sampler_lag: NonNegInt = 0
 
 
 class TinyModelConfig(_Section):
@@ -329,8 +277,9 @@ class Config(_Section):
 
     @property
     def admission_eta(self) -> int:
-        """`store.eta`, or 0 in `run.mode = sync` (the synchronous baseline: the same topology, η = 0)."""
-        return 0 if self.run.mode == "sync" else self.store.eta
+        """`store.eta`; in `run.mode = sync` (the synchronous baseline: the same topology) 0, or the lag the
+        in-process samplers are held at (`run.sampler_lag`)."""
+        return self.run.sampler_lag if self.run.mode == "sync" else self.store.eta
 
 
 # ---- building configs from plain data ---------------------------------------------------------------------

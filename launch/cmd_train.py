@@ -149,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
+        if cfg.run.sampler_lag:  # a controlled lag needs the in-process wiring; on Ray the lag is what it is
+            raise ConfigError(
+                f"run.sampler_lag = {cfg.run.sampler_lag} is invalid: expected 0 for a run on Ray (it holds "
+                "back the in-process samplers of `treeopsd experiment`; here set store.eta)"
+            )
         check_trackers(cfg.logging)
         model_path = resolve_model(cfg, progress=cfg.logging.progress)
     except (ConfigError, ModelPathError, ValueError) as e:

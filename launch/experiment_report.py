@@ -14,6 +14,14 @@ from typing import Any
 from launch.experiment import Spec
 
 METRICS = ("success", "sampled_success")  # greedy success; sampled pass@1 (temperature 1)
+# training diagnostics averaged over a run's steps (then over seeds); a column where any row logged one
+DIAGNOSTICS = (
+    ("weights/version_lag", "mean lag"),
+    ("mismatch/k3", "mismatch k3 (μ vs step start)"),
+    ("correction/weight_mean", "IS weight"),
+    ("correction/clipped_token_frac", "clipped tokens"),
+    ("tree/truncated_frac", "cut turns"),
+)
 
 
 def mean_se(xs: Sequence[float]) -> tuple[float, float]:
@@ -64,8 +72,19 @@ def rows_summary(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[d
             _reward_rise(r["curves"]["reward/mean"]) for r in got if r.get("curves", {}).get("reward/mean")
         ]
         summary["reward_rise"] = mean_se(rises)
+        summary["diagnostics"] = {key: mean_se(_curve_means(got, key)) for key, _ in DIAGNOSTICS}
         summary["train_s"] = sum(r.get("train_s", 0.0) for r in got) / max(1, len(got))
         out.append(summary)
+    return out
+
+
+def _curve_means(runs: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    """Per run, the mean of its curve `key` over the steps that logged it (runs without it left out)."""
+    out = []
+    for r in runs:
+        values = [x for x in r.get("curves", {}).get(key, []) if x == x]
+        if values:
+            out.append(sum(values) / len(values))
     return out
 
 
@@ -82,12 +101,17 @@ def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
     hops = list(summary[0]["per_hop"]) if summary else []
     head = ["group", "method", "cost", "seeds", "greedy success", *(f"{h}-hop" for h in hops)]
     head += [f"sampled pass@1 (T=1, {spec.samples}/question)", f"pass@{spec.samples}", "train reward rise"]
+    diag = [
+        (k, name) for k, name in DIAGNOSTICS if any(not math.isnan(s["diagnostics"][k][0]) for s in summary)
+    ]
+    head += [name for _, name in diag]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for s in summary:
         cost = f"{s['cost']:g}" if s["cost"] else "—"
         cells = [s["group"], s["row"], cost, str(len(s["seeds"])), _fmt(s["success"])]
         cells += [_fmt(s["per_hop"][h]) for h in hops]
         cells += [_fmt(s["sampled_success"]), _fmt(s["pass_at_k"]), _fmt(s["reward_rise"], signed=True)]
+        cells += [_fmt(s["diagnostics"][k]) for k, _ in diag]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -14,7 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-CURVE_KEYS = ("reward/mean", "learner/loss", "learner/grad_norm", "learner/max_abs_s", "tree/leaves")
+TRAINING_CURVES = ("reward/mean", "learner/loss", "learner/grad_norm", "learner/max_abs_s", "tree/leaves")
+STALENESS_CURVES = (
+    "weights/version_lag",
+    "mismatch/k3",
+    "correction/weight_mean",
+    "correction/clipped_token_frac",
+)
+CURVE_KEYS = (*TRAINING_CURVES, *STALENESS_CURVES, "tree/truncated_frac")
 # What the runner imposes on every run (documented in docs/results.md).
 RUN_SETTINGS = (
     "run.mode=sync", "store.eta=0", "sampler.num_samplers=1", "logging.progress=false",

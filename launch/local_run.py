@@ -76,7 +76,7 @@ def build_local_run(
             model_path,
             index=i,
             store=store,
-            weights=channel.sink(),
+            weights=channel.sink(lag=cfg.run.sampler_lag),
             backend=backend_factory(i) if backend_factory else None,
         )
         for i in range(cfg.sampler.num_samplers)

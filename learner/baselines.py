@@ -64,6 +64,7 @@ def ppo_clip_loss(
     *,
     z_total: float | torch.Tensor | None = None,
     clip_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip, token-mean: L = −(1/Z) Σ_t m_t min(κ_t A_t, clip(κ_t, 1−ε_lo, 1+ε_hi) A_t).
 
@@ -71,18 +72,24 @@ def ppo_clip_loss(
     ``clip_c`` (> 1, verl's ``clip_ratio_c``; None: off): dual clip — where A_t < 0 the objective is at least
     c·A_t, so a token whose ratio ran far above 1 on a bad action cannot dominate the loss.
     ``advantages`` must broadcast to ``logp``'s shape. Masked-out positions may hold any value (even NaN).
+    ``is_weights`` (same shape, constants; learner/rollout_correction.py): each token's objective times
+    c_t; a token with c_t = 0 leaves the sum and the stats (Z keeps counting it). ``old_logp`` is then
+    the proximal policy's, the trust region's centre (decoupled PPO).
     Stats over masked tokens: clip_frac (the clipped branch is strictly smaller, so the token has zero
     gradient), ratio_mean, approx_kl (k3 = mean(κ − 1 − log κ) ≥ 0, an estimate of KL(π_old || π_θ)),
     num_tokens.
     """
     dtype = _dtype(logp, old_logp, advantages)
     m = mask != 0
+    weight = None if is_weights is None else torch.where(m, is_weights.detach().to(dtype), 0.0)
+    if weight is not None:
+        z_total, m = (float(m.sum()) if z_total is None else z_total), m & (weight > 0)
     lp = torch.where(m, logp.to(dtype), 0.0)
     old = torch.where(m, old_logp.detach().to(dtype), 0.0)
     adv = torch.where(m, advantages.detach().to(dtype), 0.0)
     log_ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    loss, stats = _clipped_objective(ratio, adv, m, (clip_low, clip_high), z_total, clip_c)
+    loss, stats = _clipped_objective(ratio, adv, m, (clip_low, clip_high), z_total, clip_c, weight)
     n = stats.pop("n")
     with torch.no_grad():
         k3 = float(torch.where(m, ratio - 1.0 - log_ratio, 0.0).sum()) / max(n, 1.0)
@@ -96,9 +103,11 @@ def _clipped_objective(
     clip: tuple[float, float],
     z_total: float | torch.Tensor | None,
     clip_c: float | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """−(1/Z) Σ_on min(r A, clip(r, 1−ε_lo, 1+ε_hi) A) (with `clip_c`: at least c·A where A < 0), Z = the
-    count of `on` unless `z_total` overrides it; stats: clip_frac, dual_clip_frac, ratio_mean, n."""
+    """−(1/Z) Σ_on w min(r A, clip(r, 1−ε_lo, 1+ε_hi) A) (with `clip_c`: at least c·A where A < 0), Z = the
+    count of `on` unless `z_total` overrides it, w ≡ 1 unless given; stats: clip_frac, dual_clip_frac,
+    ratio_mean, n."""
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip[0], 1.0 + clip[1]) * adv
     obj = torch.minimum(unclipped, clipped)
@@ -107,7 +116,7 @@ def _clipped_objective(
         floor = clip_c * adv
         dual = (adv < 0) & (obj < floor)
         obj = torch.where(dual, floor, obj)
-    obj = torch.where(on, obj, 0.0)
+    obj = torch.where(on, obj if weight is None else weight * obj, 0.0)
     n = float(on.sum())
     z = torch.as_tensor(n if z_total is None else z_total, dtype=ratio.dtype, device=ratio.device)
     loss = -obj.sum() / torch.where(z > 0, z, torch.ones_like(z))
@@ -131,11 +140,20 @@ def grpo_loss(
     *,
     z_total: float | torch.Tensor | None = None,
     clip_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO loss (§8.1): token-level PPO-clip, token-mean, ε_lo = ε_hi = 0.2, optional dual clip; see
     ``ppo_clip_loss``. ``advantages`` is per token (A_j broadcast to every model token of trajectory j)."""
     return ppo_clip_loss(
-        logp, old_logp, advantages, mask, clip_low, clip_high, z_total=z_total, clip_c=clip_c
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        z_total=z_total,
+        clip_c=clip_c,
+        is_weights=is_weights,
     )
 
 
@@ -149,6 +167,7 @@ def treepo_loss(
     *,
     z_total: float | torch.Tensor | None = None,
     clip_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """TreePO loss (§8.3): PPO-clip token-mean with ε_lo = 0.2, ε_hi = 0.28 over root-to-leaf path sequences.
 
@@ -156,7 +175,15 @@ def treepo_loss(
     whitened per-token advantages from ``treepo_advantages`` + ``masked_whiten``.
     """
     return ppo_clip_loss(
-        logp, old_logp, advantages, mask, clip_low, clip_high, z_total=z_total, clip_c=clip_c
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        z_total=z_total,
+        clip_c=clip_c,
+        is_weights=is_weights,
     )
 
 
@@ -169,6 +196,7 @@ def gspo_loss(
     clip_high: float = 4e-4,
     *,
     z_total: float | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO loss (§8.2), sequence-mean: L = −(1/|B|) Σ_j min(s_j A_j, clip(s_j, 1−ε_lo, 1+ε_hi) A_j).
 
@@ -177,6 +205,9 @@ def gspo_loss(
         advantages_per_seq: [n_seq] A_j.
         seq_ids: [T] long sequence index of each token, -1 = not a loss token.
         z_total: overrides |B| (e.g. the global number of sequences).
+        is_weights: [T] token weights c_t of the rollout correction: tokens with c_t = 0 leave s_j, and
+            sequence j's objective is multiplied by the mean c_t over its remaining tokens (the sequence
+            modes give every token of j the same c). None: c ≡ 1.
     s_j = exp(mean over seq j's finite loss tokens of (logp − old_logp)); sequences with no such token are
     left out of the sum and of |B|. Stats: clip_frac (fraction of sequences whose clip binds), ratio_mean,
     num_seqs, nonfinite_tokens.
@@ -188,16 +219,21 @@ def gspo_loss(
     lp, old = logp.to(dtype), old_logp.detach().to(dtype)
     in_loss = seq_ids >= 0
     ok = in_loss & torch.isfinite(lp) & torch.isfinite(old)
+    c = None if is_weights is None else torch.where(ok, is_weights.detach().to(dtype), 0.0)
+    if c is not None:  # |B| counts the sequences a mask empties (the normalizer is fixed before it)
+        z_total = float(torch.unique(seq_ids[ok]).numel()) if z_total is None else z_total
+        ok = ok & (c > 0)
     diff = torch.where(ok, lp, 0.0) - torch.where(ok, old, 0.0)
     slot = torch.where(in_loss, seq_ids, n_seq).long()  # spare slot n_seq for non-loss tokens
     zeros = torch.zeros(n_seq + 1, dtype=dtype, device=logp.device)
     ell = zeros.index_add(0, slot, ok.to(dtype))[:n_seq]
     active = ell > 0
+    seq_w = None if c is None else zeros.index_add(0, slot, c)[:n_seq] / ell.clamp(min=1.0)
     mean_lr = zeros.index_add(0, slot, diff)[:n_seq] / ell.clamp(min=1.0)
     log_ratio = mean_lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = torch.where(active, advantages_per_seq.detach().to(dtype), 0.0)
-    loss, stats = _clipped_objective(ratio, adv, active, (clip_low, clip_high), z_total)
+    loss, stats = _clipped_objective(ratio, adv, active, (clip_low, clip_high), z_total, weight=seq_w)
     n = stats.pop("n")
     return loss, {**stats, "num_seqs": n, "nonfinite_tokens": float((in_loss & ~ok).sum())}
 

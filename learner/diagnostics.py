@@ -1,6 +1,8 @@
 """What the learner logs about each mini-batch and step (pure torch; called by learner/learner.py's loop):
 
 mismatch_sums(packed, logp)       Σ k1, Σ k3, n: sampler vs learner log-probs on the owned loss tokens
+                                  (without a proximal policy the first mini-batch's, at the step's start:
+                                  `learner/mismatch_kl` over lag-0 turns, `mismatch/k1`, `k3` over all)
 turn_diagnostics(packed, logp)    TreeOPSD's per-turn view for every method (|s|, overshoot, KL to target)
 combine_microbatches(parts)       one mini-batch's stats from its micro-batches' (sums, maxima, exact means)
 summarize_minibatches(per_mb)     the step's `learner/...` scalars, per mini-batch index and overall
@@ -32,10 +34,14 @@ def mismatch_sums(
 
 
 def turn_diagnostics(packed: PackedBatch, logp: torch.Tensor) -> dict[str, float]:
-    """TreeOPSD's per-turn view for every method: mean |s|, overshoot fraction, KL to the teacher."""
+    """TreeOPSD's per-turn view for every method: mean |s|, overshoot fraction, KL to the teacher (s against
+    the loss's reference: π_prox when the step scored one, else μ)."""
     on = packed.owned & (packed.turn_ids >= 0)
     turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
-    _, st = treeopsd_loss(logp.flatten(), packed.behavior_logp.flatten(), turn_ids, packed.q)
+    ref = (
+        packed.behavior_logp if packed.proximal_logp is None else packed.proximal_logp
+    )  # the loss's reference
+    _, st = treeopsd_loss(logp.flatten(), ref.flatten(), turn_ids, packed.q)
     keys = ["mean_abs_s", "max_abs_s", "num_turns", "num_tokens", "nonfinite_tokens"]
     if packed.credited:  # relative to a teacher only when there is one (baselines may skip the backup)
         keys += ["overshoot_frac", "kl_to_target"]
@@ -47,7 +53,15 @@ def combine_microbatches(parts: list[dict[str, float]]) -> dict[str, float]:
     means are weighted by turns, token means by loss tokens, clip fractions by what they count over."""
     out: dict[str, float] = {}
     add = ("loss", "tokens", "num_turns", "num_tokens", "nonfinite_tokens")
-    for key in (*add, "mismatch_k1_sum", "mismatch_k3_sum", "mismatch_n"):
+    for key in (
+        *add,
+        "mismatch_k1_sum",
+        "mismatch_k3_sum",
+        "mismatch_n",
+        "all_k1_sum",
+        "all_k3_sum",
+        "all_n",
+    ):
         if all(key in p for p in parts):
             out[key] = sum(p[key] for p in parts)
     out["max_abs_s"] = max(p["max_abs_s"] for p in parts)
@@ -61,6 +75,10 @@ def combine_microbatches(parts: list[dict[str, float]]) -> dict[str, float]:
         k1, k3, n = out.pop("mismatch_k1_sum"), out.pop("mismatch_k3_sum"), out.pop("mismatch_n")
         if n > 0:
             out.update(mismatch_kl=k1 / n, mismatch_kl_k3=k3 / n, mismatch_tokens=n)
+    if "all_n" in out:  # every turn against the step-start weights, whatever version sampled it
+        k1, k3, n = out.pop("all_k1_sum"), out.pop("all_k3_sum"), out.pop("all_n")
+        if n > 0:
+            out.update({"mismatch/k1": k1 / n, "mismatch/k3": k3 / n, "mismatch/tokens": n})
     return out
 
 
@@ -73,6 +91,7 @@ def summarize_minibatches(per_mb: list[dict[str, float]]) -> dict[str, float]:
         for key in ("mismatch_kl", "mismatch_kl_k3", "mismatch_tokens"):
             if key in st:
                 out[f"learner/{key}"] = st[key]
+        out.update({key: st[key] for key in ("mismatch/k1", "mismatch/k3", "mismatch/tokens") if key in st})
     if not per_mb:
         return {"learner/loss": 0.0, "learner/grad_norm": 0.0, "learner/tokens": 0.0}
     n_tok = sum(st["num_tokens"] for st in per_mb)

@@ -67,6 +67,7 @@ from learner.minibatch import (
     whiten_by_counts,
 )
 from learner.packing import PackedBatch
+from learner.reference_pass import reference_pass
 from storage.checkpoint import Checkpoint, checkpoint_bytes, load_latest, save_checkpoint
 from system.credit import is_zero_variance, no_signal_stats
 from system.depth_correction import depth_weights
@@ -192,14 +193,15 @@ class Learner:
         }
         stats.update(no_signal_stats(trees))
         batches, targets = self.plan(trees)
-        if self.cfg.algo.behavior_logprobs == "recompute":
-            batches = self._recompute(batches, stats)
+        if self.cfg.algo.behavior_logprobs == "recompute" or self.proximal:  # one no-grad scoring pass
+            scores, ranks = self._scored(batches), self._all_ranks
+            batches = reference_pass(self.cfg.algo, batches, scores, self.version, ranks, stats)
         self._check_nonfinite([p for micro in batches for p in micro])
         stats.update(padding_stats([p for micro in batches for p in micro]))
         per_mb: list[dict[str, float]] = []
         for epoch in range(self.cfg.learner.epochs):
             for j, micro in enumerate(batches):
-                first = epoch == 0 and j == 0 and self.cfg.algo.behavior_logprobs == "sampler"
+                first = epoch == j == 0 and self.cfg.algo.behavior_logprobs == "sampler" and not self.proximal
                 per_mb.append(self._train_minibatch(micro, targets[j], measure_mismatch=first))
         self.version += 1
         stats.update(summarize_minibatches(per_mb))
@@ -272,23 +274,19 @@ class Learner:
             packed = packed.padded_to(length)
         return packed.to(self.device)
 
-    def _recompute(
-        self, batches: list[list[PackedBatch]], stats: dict[str, float]
-    ) -> list[list[PackedBatch]]:
-        """μ := π_θold at the learner (no grad); reports the sampler/learner mismatch over the whole batch."""
-        out, k1, k3, n = [], 0.0, 0.0, 0
+    @property
+    def proximal(self) -> bool:
+        return self.cfg.algo.proximal == "step_start"
+
+    def _scored(self, batches: list[list[PackedBatch]]) -> list[list[torch.Tensor | None]]:
+        """Every micro-batch's log-probs at the weights held now (no grad); the sharded learner's padding
+        passes score None."""
         with torch.no_grad():
-            for micro in batches:
-                out.append([])
-                for packed in micro:
-                    logp = self.logprobs(packed)
-                    a, b, c = mismatch_sums(packed, logp, self.version)
-                    k1, k3, n = k1 + a, k3 + b, n + c
-                    out[-1].append(packed.with_behavior_logp(logp))
-        if n > 0:  # else no turn of the batch was sampled by these weights: nothing measured
-            stats.update({"learner/mismatch_kl": k1 / n, "learner/mismatch_kl_k3": k3 / n})
-            stats["learner/mismatch_tokens"] = float(n)
-        return out
+            return [[self.logprobs(packed) for packed in micro] for micro in batches]
+
+    def _all_ranks(self, value: Any) -> list[Any]:
+        """`value` from every rank (one here; the sharded learner gathers)."""
+        return [value]
 
     def _check_nonfinite(self, batches: list[PackedBatch]) -> None:
         affected = total = 0
@@ -326,9 +324,11 @@ class Learner:
             loss.backward()
         st.update(loss=float(loss.detach()), tokens=float(packed.num_tokens))
         st.update(turn_diagnostics(packed, logp.detach()))
-        if measure_mismatch:
+        if measure_mismatch:  # this forward runs at the step's start: lag-0 turns, and every turn
             a, b, n = mismatch_sums(packed, logp.detach(), self.version)
             st.update(mismatch_k1_sum=a, mismatch_k3_sum=b, mismatch_n=float(n))
+            a, b, n = mismatch_sums(packed, logp.detach())
+            st.update(all_k1_sum=a, all_k3_sum=b, all_n=float(n))
         return st
 
     def logprobs(self, packed: PackedBatch) -> torch.Tensor:

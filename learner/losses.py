@@ -78,7 +78,12 @@ class _Turns:
 
 
 def _segment_turns(
-    logp: torch.Tensor, behavior_logp: torch.Tensor, turn_ids: torch.Tensor, n_turns: int, dtype: torch.dtype
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    turn_ids: torch.Tensor,
+    n_turns: int,
+    dtype: torch.dtype,
+    token_w: torch.Tensor | None = None,
 ) -> _Turns:
     if logp.dim() != 1 or logp.shape != behavior_logp.shape or logp.shape != turn_ids.shape:
         raise ValueError(
@@ -96,6 +101,10 @@ def _segment_turns(
     ok = in_loss & finite
     # torch.where (not multiplication) so that a NaN/inf token contributes neither value nor gradient.
     diff = torch.where(ok, lp, 0.0) - torch.where(ok, blp, 0.0)
+    if token_w is not None:  # rollout correction (learner/rollout_correction.py): w = 0 leaves ℓ_i too
+        w = token_w.detach().to(dtype=dtype, device=lp.device)
+        ok = ok & (w > 0)
+        diff = torch.where(ok, w * diff, 0.0)
     # Tokens outside the loss go to a spare slot n_turns, dropped after the segment sums.
     slot = torch.where(in_loss, turn_ids, n_turns).long()
     zeros = torch.zeros(n_turns + 1, dtype=dtype, device=logp.device)
@@ -145,6 +154,7 @@ def treeopsd_loss(
     teacher_logits: bool = False,
     z_total: float | torch.Tensor | None = None,
     turn_weights: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """TreeOPSD loss L = Σ_i ℓ_i KL(q_i || σ(s_i)) / Z over the turns with ℓ_i > 0 (docs/algorithm.md §5).
 
@@ -158,6 +168,9 @@ def treeopsd_loss(
             default Σ ℓ_i of this call (Σ w_i ℓ_i with weights). Must be > 0 when this call has loss tokens.
         turn_weights: [n] w_i ≥ 0 multiplying each turn's ℓ_i in the sum and in Z (the depth correction,
             docs/algorithm.md §5.3); None: w ≡ 1.
+        token_weights: [T] importance weights c_t ≥ 0 of the rollout correction (§11.1); s_i becomes
+            (1/ℓ_i) Σ_t c_t (logp_t − behavior_logp_t) over the tokens with c_t > 0 (ℓ_i counts those), so
+            dL/dlogp_t = c_t (σ(s_i) − q_i) / Z. None: c ≡ 1 (the formulas above).
 
     Computed in float32, or float64 if any input is float64. Behavior (§10):
       * loss tokens whose logp or behavior_logp is NaN/±inf are dropped from s_i and ℓ_i and counted;
@@ -179,7 +192,7 @@ def treeopsd_loss(
     dtype = compute_dtype(logp, behavior_logp, q)
     if q.dim() != 1:
         raise ValueError(f"q must be 1-D [n_turns], got {tuple(q.shape)}")
-    turns = _segment_turns(logp, behavior_logp, turn_ids, q.shape[0], dtype)
+    turns = _segment_turns(logp, behavior_logp, turn_ids, q.shape[0], dtype, token_weights)
     act = turns.active
     q_p, s_star = _active_teacher(q, act, dtype, teacher_logits)
     kl = _kl(q_p, turns.s, s_star if teacher_logits else None)

@@ -33,6 +33,7 @@ from configs.schema import AlgoConfig
 from learner.baselines import grpo_advantages, grpo_loss, gspo_loss, treepo_advantages, treepo_loss
 from learner.losses import treeopsd_loss
 from learner.packing import PackedBatch, pack_paths, pack_pieces
+from learner.rollout_correction import correction_weights
 from system.microbatch import (
     Piece,
     first_fit_decreasing,
@@ -162,33 +163,54 @@ def pack_microbatch(
     return pack_paths(trees, full=full, concat=concat, only=used, sequences=sequences)
 
 
+def loss_layout(method: str, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(on, unit, index) of the tokens a method's loss reads: TreeOPSD the owned loss tokens, its unit the
+    turn (index None: the flat token stream); the path methods every (token copy, path) pair, its unit the
+    path (index: the pairs' flat token positions)."""
+    if method == "treeopsd":
+        turn_ids = torch.where(packed.owned & (packed.turn_ids >= 0), packed.turn_ids, -1).flatten()
+        return turn_ids >= 0, turn_ids, None
+    return packed.effective_mask.flatten()[packed.pair_index], packed.pair_seq, packed.pair_index
+
+
+def correction(algo: AlgoConfig, packed: PackedBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The rollout correction's weights over the method's loss layout (`loss_layout`) and their sums;
+    (None, {}) with algo.rollout_correction = none."""
+    if algo.rollout_correction == "none":
+        return None, {}
+    if packed.proximal_logp is None:
+        raise ValueError("algo.rollout_correction needs the proximal log-probs scored at the step's start")
+    on, unit, index = loss_layout(algo.method, packed)
+    prox, behavior = packed.proximal_logp.flatten(), packed.behavior_logp.flatten()
+    if index is not None:
+        prox, behavior = prox[index], behavior[index]
+    mode, band = algo.rollout_correction, algo.mask_band
+    return correction_weights(mode, prox, behavior, on, unit, algo.is_threshold, band)
+
+
 def microbatch_loss(
     algo: AlgoConfig, packed: PackedBatch, logp: torch.Tensor, targets: MinibatchTargets
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """This micro-batch's share of the mini-batch loss (the shares sum to the one-shot loss)."""
+    """This micro-batch's share of the mini-batch loss (the shares sum to the one-shot loss). The reference
+    is π_prox when the step scored one (algo.proximal=step_start), else the stored μ."""
     logp = logp.float()
-    if algo.method == "treeopsd":
-        on = packed.owned & (packed.turn_ids >= 0)
-        turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
-        weights = targets.at_turns(packed)
+    ref = packed.behavior_logp if packed.proximal_logp is None else packed.proximal_logp
+    weights, _ = correction(algo, packed)
+    on, unit, index = loss_layout(algo.method, packed)
+    if index is None:  # TreeOPSD
         loss, _ = treeopsd_loss(
-            logp.flatten(), packed.behavior_logp.flatten(), turn_ids, packed.q,
-            z_total=targets.z, turn_weights=weights,
+            logp.flatten(), ref.flatten(), unit, packed.q,
+            z_total=targets.z, turn_weights=targets.at_turns(packed), token_weights=weights,
         )  # fmt: skip
         return loss, {}
-    lp = logp.flatten()[packed.pair_index]
-    old = packed.behavior_logp.flatten()[packed.pair_index]
-    mask = packed.effective_mask.flatten()[packed.pair_index]
+    lp, old = logp.flatten()[index], ref.flatten()[index]
     adv = targets.at_leaves(packed).to(lp.device)
     clip_c = algo.dual_clip_c if algo.dual_clip else None
-    if algo.method == "grpo":
-        loss, st = grpo_loss(lp, old, adv[packed.pair_seq], mask, *algo.grpo_clip, z_total=targets.z,
-                             clip_c=clip_c)  # fmt: skip
-    elif algo.method == "gspo":
-        seq = torch.where(mask, packed.pair_seq, -1)
-        loss, st = gspo_loss(lp, old, adv, seq, *algo.gspo_clip, z_total=targets.z)
+    if algo.method == "gspo":
+        seq = torch.where(on, unit, -1)
+        loss, st = gspo_loss(lp, old, adv, seq, *algo.gspo_clip, z_total=targets.z, is_weights=weights)
     else:
-        loss, st = treepo_loss(lp, old, adv[packed.pair_seq], mask, *algo.treepo_clip, z_total=targets.z,
-                               clip_c=clip_c)  # fmt: skip
+        fn, clip = (grpo_loss, algo.grpo_clip) if algo.method == "grpo" else (treepo_loss, algo.treepo_clip)
+        loss, st = fn(lp, old, adv[unit], on, *clip, z_total=targets.z, clip_c=clip_c, is_weights=weights)
     out = {k: st[k] for k in ("clip_frac", "dual_clip_frac") if k in st}
     return loss, {**out, "clip_n": st.get("num_seqs", st.get("num_tokens", 0.0))}

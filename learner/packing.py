@@ -38,7 +38,7 @@ and is left out of the loss in both layouts.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -76,6 +76,7 @@ class PackedBatch:
     num_trees: int
     credited: bool  # every tree carries credit (q is the backup actor's teacher, not the 1/2 placeholder)
     _cache: dict = field(default_factory=dict, repr=False)  # per-batch plans (attention), built once
+    proximal_logp: torch.Tensor | None = None  # [B, T] π_prox log-probs (algo.proximal=step_start), or None
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +135,7 @@ class PackedBatch:
             token_offset=widen(self.token_offset, -1),
             owned=widen(self.owned, False),
             behavior_logp=widen(self.behavior_logp, float("nan")),
+            proximal_logp=None if self.proximal_logp is None else widen(self.proximal_logp, float("nan")),
             effective_mask=widen(self.effective_mask, False),
             pair_index=self.pair_index // t * length + self.pair_index % t,
         )
@@ -143,9 +145,11 @@ class PackedBatch:
         """Copy whose μ log-probs are `logp` ([B, T], e.g. recomputed at θ_old) on the loss tokens."""
         on = self.turn_ids >= 0
         lp = torch.where(on, logp.detach().to(device=on.device, dtype=torch.float32), self.behavior_logp)
-        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "_cache"}
-        fields.update(behavior_logp=lp, effective_mask=on & torch.isfinite(lp))
-        return PackedBatch(**fields)
+        return replace(self, behavior_logp=lp, effective_mask=on & torch.isfinite(lp))
+
+    def with_proximal_logp(self, logp: torch.Tensor) -> PackedBatch:
+        """Copy carrying π_prox's log-probs ([B, T], scored when the step starts): the losses' reference."""
+        return replace(self, proximal_logp=logp.detach().to(device=self.turn_ids.device, dtype=torch.float32))
 
 
 @dataclass

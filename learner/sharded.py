@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from learner.device import compute_scope, prepare_model
-from learner.diagnostics import combine_microbatches, mismatch_sums
+from learner.diagnostics import combine_microbatches
 from learner.distributed import (
     all_reduce_sums,
     broadcast_bytes,
@@ -151,29 +151,20 @@ class ShardedLearner(Learner):
         a, t = all_reduce_sums([float(affected), float(total)])
         check_nonfinite_fraction(int(a), int(t), self.cfg.algo.nonfinite_turn_limit)
 
-    def _recompute(
-        self, batches: list[list[PackedBatch]], stats: dict[str, float]
-    ) -> list[list[PackedBatch]]:
-        """μ := π_θold for this rank's micro-batches (padding passes forward too); mismatch over all ranks."""
-        out: list[list[PackedBatch]] = []
-        k1 = k3 = n = 0.0
+    def _scored(self, batches: list[list[PackedBatch]]) -> list[list[torch.Tensor | None]]:
+        """As Learner's; a padding pass forwards too (every rank joins each all-gather) and scores None."""
+        out: list[list[torch.Tensor | None]] = []
         with torch.no_grad():
             for micro in batches:
                 out.append([])
                 for packed in micro:
                     if isinstance(packed, Padding):
                         self.logprobs(packed.packed)
-                        out[-1].append(packed)  # type: ignore[arg-type]
-                        continue
-                    logp = self.logprobs(packed)
-                    a, b, c = mismatch_sums(packed, logp, self.version)
-                    k1, k3, n = k1 + a, k3 + b, n + c
-                    out[-1].append(packed.with_behavior_logp(logp))
-        k1, k3, n = all_reduce_sums([k1, k3, n])
-        if n > 0:  # as learner/learner.py: only turns sampled by these weights, none: nothing logged
-            stats.update({"learner/mismatch_kl": k1 / n, "learner/mismatch_kl_k3": k3 / n})
-            stats["learner/mismatch_tokens"] = n
+                    out[-1].append(None if isinstance(packed, Padding) else self.logprobs(packed))
         return out
+
+    def _all_ranks(self, value: Any) -> list[Any]:
+        return gather_json(value)
 
     # ---- one mini-batch ---------------------------------------------------------------------------
     def _train_minibatch(

@@ -1,10 +1,12 @@
 """PNG plots of a run from its scalar series (`read_scalars(RUN_DIR/tb)`), for `treeopsd report`.
 
-Pure functions of the `{tag: [(step, value), ...]}` dict: nothing here talks to Ray or a live run. Four
-figures, one titled panel per quantity, every axis labelled:
+Pure functions of the `{tag: [(step, value), ...]}` dict: nothing here talks to Ray or a live run. Five
+figures (laid out in storage/report_layout.py), one titled panel per quantity, every axis labelled:
 
     reward.png       reward per batch; evaluation success
     staleness.png    version lag (mean and max); stale trees per batch; trees pending in the store
+    mismatch.png     μ vs π_prox k3 by version lag and k1; the correction's IS weight and what it clipped or
+                     masked; the share of turns cut at the token limit
     throughput.png   per role: sampler tokens/s, idle ratio, wait for weights;
                      learner step seconds, idle ratio, wait for a batch
     minibatches.png  loss, overshoot fraction, mean |s|, KL to target per mini-batch index k (a line per k)
@@ -21,180 +23,25 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from storage.metrics import read_scalars
+from storage.report_layout import (
+    FIGURES,
+    KEY_METRICS,
+    STEP_LABEL,
+    FigureSpec,
+    Panel,
+    figure_specs,
+    minibatch_indices,
+)
 
 Series = Sequence[tuple[int, float]]
 Scalars = Mapping[str, Series]
 
-STEP_LABEL = "learner step"
-_MB_TAG = re.compile(r"^learner/mb(\d+)/")
-
 __all__ = ["FIGURES", "KEY_METRICS", "load_scalars", "minibatch_indices", "render_report", "write_index"]
-
-
-@dataclass(frozen=True)
-class Panel:
-    """One subplot: `lines` are (tag, legend label); `ylim` pins the y range (ratios live in [0, 1])."""
-
-    title: str
-    ylabel: str
-    lines: tuple[tuple[str, str], ...]
-    ylim: tuple[float, float] | None = None
-    wanted: str = ""  # what the "no data" note names; defaults to the tags
-    integer_y: bool = False  # counts (trees, versions): whole-number ticks
-
-    def missing_note(self) -> str:
-        return "no data\n(" + (self.wanted or ", ".join(tag for tag, _ in self.lines)) + ")"
-
-
-@dataclass(frozen=True)
-class FigureSpec:
-    name: str  # file stem
-    title: str
-    ncols: int
-    panels: tuple[Panel, ...] = field(default_factory=tuple)
-    shared_legend: bool = False  # one legend under the figure instead of one per panel (same lines in each)
-
-
-def minibatch_indices(scalars: Scalars) -> list[int]:
-    """The mini-batch indices k that have any `learner/mb{k}/...` series, sorted."""
-    return sorted({int(m.group(1)) for tag in scalars if (m := _MB_TAG.match(tag))})
-
-
-def _ratio(lo: float = 0.0, hi: float = 1.0) -> tuple[float, float]:
-    return (lo - 0.03 * (hi - lo), hi + 0.03 * (hi - lo))
-
-
-_FIXED_FIGURES = (
-    FigureSpec(
-        "reward",
-        "Reward and success",
-        2,
-        (
-            Panel("Reward (mean leaf reward per batch)", "reward", (("reward/mean", "reward/mean"),)),
-            Panel(
-                "Evaluation success",
-                "success rate",
-                (("eval/success", "eval/success"), ("demo/success", "eval before / after training")),
-                ylim=_ratio(),
-                wanted="eval/success",
-            ),
-        ),
-    ),
-    FigureSpec(
-        "staleness",
-        "Staleness",
-        3,
-        (
-            Panel(
-                "Version lag of trained trees",
-                "policy versions behind",
-                (("weights/version_lag", "mean"), ("weights/version_lag_max", "max")),
-                integer_y=True,
-            ),
-            Panel(
-                "Stale trees per batch",
-                "trees (lag > 0)",
-                (("store/stale_trees", "store/stale_trees"),),
-                integer_y=True,
-            ),
-            Panel(
-                "Trees pending in the store",
-                "trees (raw + credited)",
-                (("store/trees_pending", "store/trees_pending"),),
-                integer_y=True,
-            ),
-        ),
-    ),
-    FigureSpec(
-        "throughput",
-        "Throughput per role",
-        3,
-        (
-            Panel("Sampler: tokens per second", "tokens / s", (("sampler/tokens_per_s", "samplers (mean)"),)),
-            Panel("Sampler: idle ratio", "idle fraction", (("sampler/idle_ratio", "samplers"),), _ratio()),
-            Panel(
-                "Sampler: wait for weights",
-                "seconds",
-                (("sampler/wait_for_weights_s", "samplers"),),
-            ),
-            Panel("Learner: step time", "seconds per step", (("learner/step_s", "learner"),)),
-            Panel("Learner: idle ratio", "idle fraction", (("learner/idle_ratio", "learner"),), _ratio()),
-            Panel("Learner: wait for a batch", "seconds", (("learner/wait_for_batch_s", "learner"),)),
-        ),
-    ),
-)
-
-
-def figure_specs(scalars: Scalars) -> tuple[FigureSpec, ...]:
-    """The four figures; the mini-batch panels get one line per k found in `scalars`."""
-    return (*_FIXED_FIGURES, _minibatch_figure(minibatch_indices(scalars)))
-
-
-def _minibatch_figure(ks: list[int]) -> FigureSpec:
-    def per_mb(key: str) -> tuple[tuple[str, str], ...]:
-        return tuple((f"learner/mb{k}/{key}", f"mini-batch {k}") for k in ks)
-
-    return FigureSpec(
-        "minibatches",
-        "Per mini-batch index k",
-        2,
-        (
-            Panel(
-                "Loss per mini-batch",
-                "loss",
-                (*per_mb("loss"), ("learner/loss", "all mini-batches")),
-                wanted="learner/mb{k}/loss",
-            ),
-            Panel(
-                "Overshoot fraction per mini-batch",
-                "fraction of turns past target",
-                per_mb("overshoot_frac"),
-                (0.0, 0.0),  # from 0, but not stretched to 1: overshoot is usually a few percent
-                wanted="learner/mb{k}/overshoot_frac",
-            ),
-            Panel(
-                "Mean |s| per mini-batch",
-                "mean |s|",
-                per_mb("mean_abs_s"),
-                wanted="learner/mb{k}/mean_abs_s",
-            ),
-            Panel(
-                "KL to target per mini-batch",
-                "KL (token-weighted)",
-                (*per_mb("kl_to_target"), ("learner/kl_to_target", "all mini-batches")),
-                wanted="learner/mb{k}/kl_to_target",
-            ),
-        ),
-        shared_legend=True,
-    )
-
-
-FIGURES = ("reward", "staleness", "throughput", "minibatches")
-
-KEY_METRICS: tuple[tuple[str, str], ...] = (
-    ("reward/mean", "reward per batch"),
-    ("eval/success", "evaluation success"),
-    ("learner/loss", "loss"),
-    ("learner/kl_to_target", "KL to target"),
-    ("weights/version_lag", "version lag (mean)"),
-    ("weights/version_lag_max", "version lag (max)"),
-    ("store/stale_trees", "stale trees per batch"),
-    ("store/trees_pending", "trees pending"),
-    ("sampler/tokens_per_s", "sampler tokens/s"),
-    ("sampler/idle_ratio", "sampler idle ratio"),
-    ("learner/step_s", "learner step seconds"),
-    ("learner/idle_ratio", "learner idle ratio"),
-    ("learner/wait_for_batch_s", "learner wait for batch (s)"),
-    ("backup/trees", "trees credited by backup"),
-    ("tree/leaves", "leaves per tree"),
-)
 
 
 def _clean(series: Series) -> tuple[list[int], list[float]]:

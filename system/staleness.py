@@ -6,6 +6,7 @@ sampled any of its turns (the per-path bound counts the oldest behavior policy, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,8 +18,16 @@ def version_lags(trees: Sequence[RolloutTree], learner_version: int) -> np.ndarr
     return np.array([learner_version - int(t.versions.min()) for t in trees], dtype=np.int64)
 
 
+def cut_turns(tree: RolloutTree) -> int:
+    """Turns cut at the token limit: episodes whose end the sampler recorded as "truncated" (tree.meta
+    "finish": leaf node → how its episode ended; each cut turn ends its episode)."""
+    finish = json.loads(tree.meta.get("finish", "{}"))
+    return sum(reason == "truncated" for reason in finish.values())
+
+
 def batch_metrics(trees: Sequence[RolloutTree], learner_version: int) -> dict[str, float]:
     lags = version_lags(trees, learner_version)
+    turns = sum(len(t.nodes) - 1 for t in trees)
     rewards = np.concatenate([t.leaf_rewards() for t in trees])
     return {
         "store/stale_trees": float((lags > 0).sum()),
@@ -28,6 +37,7 @@ def batch_metrics(trees: Sequence[RolloutTree], learner_version: int) -> dict[st
         "tree/leaves": float(np.mean([t.num_leaves for t in trees])),
         "tree/depth": float(max(int(n.depth) for t in trees for n in t.nodes)),
         "tree/tokens": float(sum(t.num_tokens for t in trees)),
+        "tree/truncated_frac": sum(cut_turns(t) for t in trees) / max(turns, 1),  # of the batch's turns
     }
 
 

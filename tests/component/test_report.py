@@ -11,6 +11,10 @@ from storage.metrics import TensorboardSink
 PANELS = {
     "reward.png": ["Reward (mean leaf reward per batch)", "Evaluation success"],
     "staleness.png": ["Version lag of trained trees", "Stale trees per batch", "Trees pending in the store"],
+    "mismatch.png": [
+        "Mismatch μ vs π_prox (k3) by version lag", "Mismatch μ vs π_prox (k1)", "Importance weight",
+        "Clipped and masked by the correction", "Turns cut at the token limit",
+    ],
     "throughput.png": [
         "Sampler: tokens per second", "Sampler: idle ratio", "Sampler: wait for weights",
         "Learner: step time", "Learner: idle ratio", "Learner: wait for a batch",
@@ -35,6 +39,9 @@ def write_run(run_dir, steps=6, tags=None):
             "learner/wait_for_batch_s": 0.1 * rng.random(),
             "store/stale_trees": float(step % 3), "weights/version_lag": 0.5 * (step % 3),
             "weights/version_lag_max": float(step % 3), "tree/leaves": 12.0, "backup/trees": 4.0 * step,
+            "mismatch/k3": 0.01 * step, "mismatch/k3_lag0": 1e-4, "mismatch/k1": 0.012 * step,
+            "correction/weight_mean": 0.98, "correction/weight_max": 2.0, "tree/truncated_frac": 0.02,
+            "correction/clipped_token_frac": 0.05, "correction/masked_token_frac": 0.0,
         }  # fmt: skip
         for k in range(2):
             metrics |= {

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from treegen import GenTree, random_rewards, random_tree, tree_strategy
 
 from learner.losses import grpo_loss, pg_surrogate_loss, treeopsd_advantages, treeopsd_loss
+from learner.rollout_correction import correction_weights
 from system.credit import credit_tree
 
 F64 = torch.float64
@@ -334,3 +335,51 @@ def test_stale_minibatches_overshoot_and_are_pulled_back():
         (g,) = torch.autograd.grad(own_loss, th)
         s_after = turn_sum(policy_logp(theta - 1e-3 * g, b) - behavior, b)[i] / b.ell[i]
         assert abs(float(s_after - log_r_star[i])) < abs(float(s[i] - log_r_star[i]))
+
+
+# ------------------------------------------------------------------------------------------- §11.1
+
+
+@pytest.mark.parametrize("mode", ["token_tis", "seq_is", "token_mask"])
+def test_gradient_identity_at_proximal(mode):
+    # μ sampled the tokens; π_prox (step-start weights) ≠ μ. With s_i = (1/ℓ_i) Σ_t c_t (log π − log π_prox)
+    # the gradient at θ = π_prox is −(1/Z) Σ_𝒯 (1/τ) Σ_i V_i Σ_t c_t ∇log π(y_{i,t}): the tree policy
+    # gradient with each token importance-weighted by c_t (token_tis: min(π_prox/μ, C); seq_is: the turn's
+    # geometric-mean ratio, truncated; token_mask: 1 inside the band, else 0). Z stays Σ ℓ_i of every turn.
+    b = make_batch(seed=21, n_trees=12, rho=0.25)
+    gen = torch.Generator().manual_seed(3)
+    theta_mu = torch.randn(BUCKETS, VOCAB, dtype=F64, generator=gen) * 0.5
+    theta = (theta_mu + 0.4 * torch.randn(BUCKETS, VOCAB, dtype=F64, generator=gen)).requires_grad_()
+    behavior, logp = policy_logp(theta_mu, b), policy_logp(theta, b)
+    prox = logp.detach()  # θ = π_prox: the start of a step
+    on = b.turn_ids >= 0
+    c, st = correction_weights(mode, prox, behavior, on, b.turn_ids, 1.5, (0.8, 1.25))
+    assert 0 < st["is_clipped_tokens"] + st["is_masked_tokens"] < st["is_tokens"]  # the threshold binds
+    z = float(b.ell.sum())
+    loss, stats = treeopsd_loss(logp, prox, b.turn_ids, b.q, z_total=z, token_weights=c)
+    assert stats["mean_abs_s"] == 0.0
+    weighted_pg = (b.coef * turn_sum(c * logp, b)).sum()  # Σ (1/τ) Σ_i V_i Σ_t c_t log π, c constant
+    g, g_ref = flat_grad(loss, theta), -flat_grad(weighted_pg, theta) / z
+    assert float(g_ref.abs().max()) > 1e-6
+    assert float((g - g_ref).abs().max()) <= 1e-10 * float(g_ref.abs().max())
+
+
+def test_importance_weights_make_the_proximal_gradient_unbiased():
+    # One turn, one token from a 6-way μ; teacher q. E_μ[c ∇] with c = π_prox/μ (no truncation: C above the
+    # largest ratio) equals the gradient an on-policy sample of π_prox would give,
+    # Σ_y π_prox(y)(½ − q) ∇log π(y).
+    # Exact expectation: sum over the 6 outcomes weighted by μ(y).
+    gen = torch.Generator().manual_seed(5)
+    theta = torch.randn(VOCAB, dtype=F64, generator=gen).requires_grad_()
+    mu = torch.softmax(torch.randn(VOCAB, dtype=F64, generator=gen), -1)
+    q = torch.tensor([0.8], dtype=F64)
+    expected = torch.zeros(VOCAB, dtype=F64)
+    for y in range(VOCAB):
+        logp = torch.log_softmax(theta, -1)[y : y + 1]
+        one = torch.tensor([0])
+        c, _ = correction_weights("token_tis", logp.detach(), mu[y].log()[None], one >= 0, one, 1e6, (0.5, 2))
+        loss, _ = treeopsd_loss(logp, logp.detach(), torch.tensor([0]), q, token_weights=c)
+        expected += mu[y] * flat_grad(loss, theta)
+    pi = torch.softmax(theta.detach(), -1)
+    on_policy = sum(pi[y] * (0.5 - q[0]) * (torch.eye(VOCAB, dtype=F64)[y] - pi) for y in range(VOCAB))
+    assert float((expected - on_policy).abs().max()) <= 1e-12

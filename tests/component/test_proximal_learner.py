@@ -1,0 +1,91 @@
+"""The learner with a proximal policy (algo.proximal=step_start) and a rollout correction, on the tiny model:
+docs/algorithm.md §11.1."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from learner_fixtures import config, flat_params, make_trees, on_policy
+
+from actors.policy.tiny_model import build_tiny_model
+from learner.learner import Learner
+from system.tree import RolloutTree
+
+torch.set_num_threads(1)
+MODES = ["none", "token_tis", "seq_is", "token_mask", "seq_mask"]
+
+
+def sampled_by(trees: list[RolloutTree], versions: list[int]) -> list[RolloutTree]:
+    """Each tree's turns marked as sampled by the given version (tree k: versions[k % len])."""
+    out = []
+    for k, tree in enumerate(trees):
+        v = versions[k % len(versions)]
+        nodes = [tree.nodes[0], *(dataclasses.replace(n, policy_version=v) for n in tree.nodes[1:])]
+        out.append(RolloutTree.build(tree.tree_id, nodes, credit=tree.credit))
+    return out
+
+
+def perturbed(trees: list[RolloutTree], scale: float, seed: int) -> list[RolloutTree]:
+    """μ log-probs moved by N(0, scale²) noise per token: ratios π/μ of e^{±scale} around an exact μ."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for tree in trees:
+        nodes = [tree.nodes[0]]
+        for n in tree.nodes[1:]:
+            noise = rng.normal(0.0, scale, size=len(n.behavior_logprobs)).astype(np.float32)
+            nodes.append(dataclasses.replace(n, behavior_logprobs=n.behavior_logprobs + noise))
+        out.append(RolloutTree.build(tree.tree_id, nodes, credit=tree.credit))
+    return out
+
+
+def test_stale_trees_train_from_the_step_start_policy_and_log_the_gap(tok):
+    # μ = the model's log-probs moved by N(0, 1) per token, as a sampler some versions behind; the learner
+    # holds version 3. Trees sampled by versions 3, 1, 0: lags 0, 2, 3. P(log r > log 2 = 0.69) ≈ 0.25.
+    model = build_tiny_model(tok, seed=4)
+    trees = sampled_by(perturbed(on_policy(model, make_trees(tok, n=3, seed=8)), 1.0, seed=1), [3, 1, 0])
+    cfg = config(algo={"proximal": "step_start", "rollout_correction": "token_tis", "is_threshold": 2.0})
+    learner = Learner(model, cfg)
+    learner.version = 3
+    stats = learner.step(trees)
+    assert stats["learner/mb0/mean_abs_s"] == 0.0  # s against π_prox = the weights the step starts with
+    for lag in (0, 2, 3):
+        assert stats[f"mismatch/tokens_lag{lag}"] > 0 and stats[f"mismatch/k3_lag{lag}"] > 0
+    total = sum(stats[f"mismatch/tokens_lag{lag}"] for lag in (0, 2, 3))
+    assert stats["mismatch/tokens"] == total == stats["learner/loss_tokens"]  # every trained token once
+    assert stats["learner/mismatch_kl"] == stats["mismatch/k1_lag0"]
+    assert 0 < stats["correction/weight_mean"] <= stats["correction/weight_max"] <= 2.0
+    assert 0.15 < stats["correction/clipped_token_frac"] < 0.35  # about 1/4 of the ratios exceed C = 2
+    assert stats["correction/masked_token_frac"] == 0.0
+
+
+@pytest.mark.parametrize("method", ["treeopsd", "grpo", "gspo", "treepo"])
+def test_every_method_and_mode_steps_with_finite_stats(tok, method):
+    trees = perturbed(on_policy(build_tiny_model(tok, seed=3), make_trees(tok, n=3, seed=5)), 1.0, seed=2)
+    for mode in MODES:
+        cfg = config(algo={"method": method, "proximal": "step_start", "rollout_correction": mode})
+        stats = Learner(build_tiny_model(tok, seed=3), cfg).step(trees)
+        assert all(np.isfinite(v) for v in stats.values()), (mode, stats)
+        assert stats["mismatch/k3"] > 0
+        if mode != "none":
+            assert "correction/weight_mean" in stats
+        if mode == "token_mask":
+            token_masked = stats["correction/masked_token_frac"]
+            assert token_masked > 0.2  # P(|log r| > log 2 = 0.69) ≈ 0.49 per token
+        if mode == "seq_mask":  # a sequence's mean log-ratio spreads less than one token's: fewer leave
+            assert stats["correction/masked_token_frac"] < token_masked
+
+
+def test_with_an_exact_behavior_policy_the_correction_changes_nothing(tok):
+    # μ := the model's own log-probs, so π_prox/μ = 1 up to rounding (pack_tree vs the mini-batch's packing):
+    # every weight ≈ 1 and the step equals the uncorrected one (SGD: the update is linear in the gradient).
+    trees = on_policy(build_tiny_model(tok, seed=6), make_trees(tok, n=3, seed=9))
+    params = []
+    for algo in ({}, {"proximal": "step_start", "rollout_correction": "token_tis"}):
+        model = build_tiny_model(tok, seed=6)
+        stats = Learner(model, config(algo=algo), optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).step(
+            trees
+        )
+        params.append(flat_params(model))
+    assert stats["correction/weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=0)
