@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick readme clean
+.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick readme clean
 
 venv: $(STAMP)
 
@@ -75,6 +75,14 @@ paper-table: $(STAMP)
 
 paper-table-quick: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/paper_table.yaml --quick
+
+# Asynchronous training at controlled staleness (η = 0, 2, 4), with and without the rollout correction
+# (docs/results.md has its wall time); --quick fits 10 minutes.
+staleness-table: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/staleness_table.yaml --jobs 2
+
+staleness-table-quick: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/staleness_table.yaml --quick --jobs 2
 
 # The results blocks of README.md and docs/*.md from benchmarks/results/*.md (a test fails when they drift
 # apart).

@@ -7,21 +7,12 @@ from configs.schema import load_config
 from launch.local_run import build_local_run
 from storage.store_verify import verify_store
 
+SMALL = ["learner.batch_trees=2", "learner.minibatches=2", "sampler.num_samplers=2", "algo.M=2", "algo.N=1"]
+SMALL += ["env.max_turns=3", "env.max_turn_tokens=16", "learner.lr=1e-3"]
+
 
 def test_local_run_steps_and_version_flow(tmp_path, tiny_model_dir):
-    cfg = load_config(
-        overrides=[
-            f"run.run_dir={tmp_path}",
-            "learner.batch_trees=2",
-            "learner.minibatches=2",
-            "sampler.num_samplers=2",
-            "algo.M=2",
-            "algo.N=1",
-            "env.max_turns=3",
-            "env.max_turn_tokens=16",
-            "learner.lr=1e-3",
-        ]
-    )
+    cfg = load_config(overrides=[f"run.run_dir={tmp_path}", *SMALL])
     run = build_local_run(cfg, tiny_model_dir)
     try:
         before = {k: v.clone() for k, v in run.learner.named_weights().items()}
@@ -43,3 +34,21 @@ def test_local_run_steps_and_version_flow(tmp_path, tiny_model_dir):
     finally:
         run.close()
     assert verify_store(tmp_path / "store").ok
+
+
+def test_a_held_back_sampler_samples_every_batch_eta_versions_late(tmp_path, tiny_model_dir):
+    # run.sampler_lag = 2 in sync mode (the staleness table): batch k is sampled by version max(k − 2, 0),
+    # admitted because the admission bound is the lag; the step start (π_prox) is version k.
+    overrides = [f"run.run_dir={tmp_path}", *SMALL, "run.mode=sync", "run.sampler_lag=2"]
+    cfg = load_config(overrides=[*overrides, "algo.proximal=step_start", "algo.rollout_correction=token_tis"])
+    assert cfg.admission_eta == 2
+    run = build_local_run(cfg, tiny_model_dir)
+    try:
+        lags = [run.step()["weights/version_lag"] for _ in range(5)]
+        assert lags == [0.0, 1.0, 2.0, 2.0, 2.0]
+        for k in range(5):
+            trees = run.store.get_trees(run.store.batch_tree_ids(k))
+            assert {int(v) for t in trees for v in t.versions} == {max(k - 2, 0)}
+        assert run.history[-1]["mismatch/tokens_lag2"] > 0 and run.history[-1]["mismatch/k3_lag2"] > 0
+    finally:
+        run.close()

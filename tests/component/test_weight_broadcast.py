@@ -263,3 +263,18 @@ def test_in_memory_twin_has_the_same_contract():
     assert_weights(ch.poll(timeout_ms=10), 3)
     with pytest.raises(ValueError, match="not newer"):
         ch.publish(weights(2), 2)
+
+
+def test_a_lagged_reader_gets_the_version_published_lag_steps_ago():
+    # run.sampler_lag (launch/local_run.py): a reader with lag 2 sees version v − 2 once the learner is at v.
+    ch = weight_channel.InMemoryWeightChannel(chunk_mb=CHUNK_MB)
+    late = ch.sink(lag=2)
+    ch.publish(weights(0), 0)
+    ch.publish(weights(1), 1)
+    assert late.poll() is None  # newest 1: nothing at 1 − 2 = −1 yet
+    ch.publish(weights(2), 2)
+    assert_weights(late.poll(), 0)
+    ch.publish(weights(3), 3)
+    ch.publish(weights(4), 4)
+    assert_weights(late.poll(), 2)  # newest 4 → version 2 (3 kept versions: 2, 3, 4)
+    assert late.poll() is None and ch.poll()[0] == 4  # the unlagged reader still gets the newest
