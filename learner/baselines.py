@@ -17,12 +17,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from system.credit import STD_EPS, ZERO_STD
+
 LOG_RATIO_CLAMP = 20.0
-STD_EPS = 1e-6
-ZERO_STD = 1e-12
 
 
-def _dtype(*tensors: torch.Tensor) -> torch.dtype:
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 are upcast: docs/algorithm.md §10)."""
     dtype = torch.float32
     for t in tensors:
         if t.is_floating_point():
@@ -40,7 +41,7 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     two members or sd₁ < 1e-12 get A = 0 (§3.1/§10: no signal, no 0/ε amplification of rounding noise).
     """
     with torch.no_grad():
-        r = rewards.to(_dtype(rewards))
+        r = rewards.to(compute_dtype(rewards))
         _, g = torch.unique(group_ids, return_inverse=True)
         n_groups = int(g.max()) + 1 if g.numel() else 0
         zeros = torch.zeros(n_groups, dtype=r.dtype, device=r.device)
@@ -79,7 +80,7 @@ def ppo_clip_loss(
     gradient), ratio_mean, approx_kl (k3 = mean(κ − 1 − log κ) ≥ 0, an estimate of KL(π_old || π_θ)),
     num_tokens.
     """
-    dtype = _dtype(logp, old_logp, advantages)
+    dtype = compute_dtype(logp, old_logp, advantages)
     m = mask != 0
     weight = None if is_weights is None else torch.where(m, is_weights.detach().to(dtype), 0.0)
     if weight is not None:
@@ -212,7 +213,7 @@ def gspo_loss(
     left out of the sum and of |B|. Stats: clip_frac (fraction of sequences whose clip binds), ratio_mean,
     num_seqs, nonfinite_tokens.
     """
-    dtype = _dtype(logp, old_logp, advantages_per_seq)
+    dtype = compute_dtype(logp, old_logp, advantages_per_seq)
     n_seq = advantages_per_seq.shape[0]
     if seq_ids.numel() and int(seq_ids.max()) >= n_seq:
         raise ValueError(f"seq_ids reach {int(seq_ids.max())} but there are {n_seq} sequence advantages")
@@ -302,7 +303,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     """
     with torch.no_grad():
         m = mask != 0
-        v = torch.where(m, values.to(_dtype(values)), 0.0)
+        v = torch.where(m, values.to(compute_dtype(values)), 0.0)
         n = m.sum().to(v.dtype)
         mean = v.sum() / n.clamp(min=1)
         dev = torch.where(m, v - mean, 0.0)

@@ -56,15 +56,13 @@ from learner.diagnostics import (
 )
 from learner.flex_attention import bucket_length, compiled_graphs
 from learner.forward import attention_scope, token_logprobs
+from learner.methods import METHODS
 from learner.minibatch import (
     MinibatchTargets,
-    leaf_advantages,
     microbatch_loss,
     minibatch_targets,
     pack_microbatch,
-    path_counts,
     plan_microbatches,
-    whiten_by_counts,
 )
 from learner.packing import PackedBatch
 from learner.reference_pass import reference_pass
@@ -113,6 +111,7 @@ class Learner:
         self.model = self._place_model(model)
         self.attention = attention or attention_for(cfg, self.device)
         self.store, self.weights, self.tokenizer = store, weights, tokenizer
+        self.method = METHODS[cfg.algo.method]  # its advantages, normalizer and loss (learner/methods.py)
         self.optimizer = optimizer or adamw(self.model, cfg, self.device)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]  # what a warmup scales
         self.sampling = SamplingConfig.of(cfg.sampler)  # π is scored under the distribution μ sampled from
@@ -221,8 +220,8 @@ class Learner:
 
     def _select(self, trees: Sequence[RolloutTree]) -> list[RolloutTree]:
         algo = self.cfg.algo
-        if algo.method == "treeopsd" and any(t.credit is None for t in trees):
-            raise ValueError("TreeOPSD needs credited trees (tree.credit from the backup actor)")
+        if self.method.needs_credit and any(t.credit is None for t in trees):
+            raise ValueError(f"{algo.method} needs credited trees (tree.credit from the backup actor)")
         if algo.behavior_logprobs == "recompute":  # μ recomputed here is π at this version: it must be theirs
             stale = [t.tree_id for t in trees if (t.versions != self.version).any()]
             if stale:
@@ -230,7 +229,7 @@ class Learner:
                     f"algo.behavior_logprobs=recompute: trees {stale[:3]} hold turns sampled by another "
                     f"version than the learner's {self.version}; recompute needs run.mode=sync"
                 )
-        drop = algo.zero_var_trees == "drop" or (algo.method == "treepo" and algo.treepo_filter_zero_std)
+        drop = algo.zero_var_trees == "drop" or self.method.skips_flat_trees(algo)
         return [t for t in trees if not (drop and is_zero_variance(t))]
 
     def _split(self, n: int) -> list[list[int]]:
@@ -243,9 +242,7 @@ class Learner:
         """Per mini-batch, Z and the per-tree advantages and weights its micro-batches read
         (learner/minibatch.py). TreePO's Â is whitened over every path token of the whole rollout batch."""
         algo = self.cfg.algo
-        adv = leaf_advantages(algo.method, kept)
-        if algo.method == "treepo" and adv is not None:
-            adv = whiten_by_counts(adv, path_counts(kept))
+        adv = self.method.leaf_advantages(kept)  # over the whole batch (TreePO whitens over all of it)
         weights = depth_weights(kept, algo.expected_cost) if algo.depth_correction else None
         return [
             minibatch_targets(
@@ -267,7 +264,7 @@ class Learner:
         """One micro-batch's model inputs on the learner's device: one unpadded row unless the mask is
         materialized; for flex, padded to its length bucket (learner/flex_attention.py)."""
         lc = self.cfg.learner
-        full, concat = self.cfg.algo.method != "treeopsd", self.attention != "mask"
+        full, concat = self.method.trains_paths, self.attention != "mask"
         packed = pack_microbatch(trees, micro, lc.packed_forward, full, concat)
         if self.attention == "flex":
             length = bucket_length(packed.input_ids.shape[1], lc.max_tokens_per_microbatch)
@@ -289,13 +286,17 @@ class Learner:
         return [value]
 
     def _check_nonfinite(self, batches: list[PackedBatch]) -> None:
+        """Refuses the batch when too many turns (over every rank) have a non-finite μ on an owned loss token
+        (docs/algorithm.md §10); the sharded learner's padding passes are not batches and are skipped."""
         affected = total = 0
-        for p in batches:
+        for p in (b for b in batches if isinstance(b, PackedBatch)):
             on = p.owned & (p.turn_ids >= 0)
             bad = on & ~torch.isfinite(p.behavior_logp)
             total += int(torch.unique(p.turn_ids[on]).numel())
             affected += int(torch.unique(p.turn_ids[bad]).numel())
-        check_nonfinite_fraction(affected, total, self.cfg.algo.nonfinite_turn_limit)
+        parts = self._all_ranks([affected, total])
+        limit = self.cfg.algo.nonfinite_turn_limit
+        check_nonfinite_fraction(sum(int(a) for a, _ in parts), sum(int(t) for _, t in parts), limit)
 
     # ---- one mini-batch ---------------------------------------------------------------------------
     def _train_minibatch(

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from learner.baselines import (
+    compute_dtype,
     grpo_advantages,
     grpo_loss,
     gspo_loss,
@@ -42,6 +43,7 @@ from learner.baselines import (
 )
 
 __all__ = [
+    "compute_dtype",
     "grpo_advantages",
     "grpo_loss",
     "gspo_loss",
@@ -53,15 +55,6 @@ __all__ = [
     "treepo_advantages",
     "treepo_loss",
 ]
-
-
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32 (bf16/fp16 are upcast: §10 "compute in fp32")."""
-    dtype = torch.float32
-    for t in tensors:
-        if t.is_floating_point():
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 @dataclass

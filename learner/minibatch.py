@@ -8,7 +8,8 @@ token-budget micro-batches (docs/design.md §11; pure torch/numpy).
         loss.backward()                                              # gradients accumulate
 
 The accumulated gradient equals the one-shot gradient because every denominator is global to the mini-batch
-and known before any forward (system/microbatch.py counts the loss tokens without the model):
+and known before any forward (system/microbatch.py counts the loss tokens without the model; each method's
+`normalizer`, learner/methods.py):
 
     treeopsd  Z = Σ_i w_i ℓ_i over every turn of the mini-batch (w ≡ 1 without the depth correction)
     grpo      Z = Σ_leaves (loss tokens on the root-to-leaf path)       token mean over every path copy
@@ -30,16 +31,13 @@ import numpy as np
 import torch
 
 from configs.schema import AlgoConfig
-from learner.baselines import grpo_advantages, grpo_loss, gspo_loss, treepo_advantages, treepo_loss
-from learner.losses import treeopsd_loss
+from learner.methods import METHODS
 from learner.packing import PackedBatch, pack_paths, pack_pieces
 from learner.rollout_correction import correction_weights
 from system.microbatch import (
     Piece,
     first_fit_decreasing,
-    loss_token_counts,
     node_tokens,
-    path_token_counts,
     split_tree,
 )
 from system.tree import RolloutTree
@@ -64,36 +62,6 @@ class MinibatchTargets:
         return self.turn_w[self.offsets[packed.turn_tree] + packed.turn_node]
 
 
-def leaf_advantages(method: str, trees: Sequence[RolloutTree]) -> list[np.ndarray] | None:
-    """Per tree, its leaves' advantages (ascending leaf id): GRPO/GSPO the standardized reward with the tree
-    as the group; TreePO the raw Â (whitened over the rollout batch by `whiten_by_counts`); None: TreeOPSD."""
-    if method == "treeopsd":
-        return None
-    if method == "treepo":
-        return [treepo_advantages(t.turn_parents(), t.leaf_rewards())[1] for t in trees]
-    out = []
-    for t in trees:
-        r = torch.from_numpy(np.asarray(t.leaf_rewards(), dtype=np.float64))
-        out.append(grpo_advantages(r, torch.zeros(len(r), dtype=torch.long)).numpy())
-    return out
-
-
-def path_counts(trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-    """Per tree, the loss tokens of each root-to-leaf path (what a path loss trains)."""
-    return [np.asarray(path_token_counts(t, loss_token_counts(t)), dtype=np.float64) for t in trees]
-
-
-def whiten_by_counts(values: Sequence[np.ndarray], counts: Sequence[np.ndarray], eps: float = 1e-8):
-    """`masked_whiten` over tokens when value v_l repeats on c_l tokens: mean = Σ c v / N, the unbiased
-    var = Σ c (v − mean)² / (N − 1) (N − 1 clamped to ≥ 1), (v − mean) / sqrt(var + eps)."""
-    v, c = np.concatenate([np.zeros(0), *values]), np.concatenate([np.zeros(0), *counts])
-    n = c.sum()
-    mean = (c * v).sum() / max(n, 1.0)
-    var = (c * (v - mean) ** 2).sum() / max(n - 1.0, 1.0)
-    white = (v - mean) / np.sqrt(var + eps)
-    return np.split(white, np.cumsum([len(x) for x in values])[:-1])
-
-
 def minibatch_targets(
     method: str,
     trees: Sequence[RolloutTree],
@@ -114,24 +82,10 @@ def minibatch_targets(
         offsets=torch.from_numpy(offsets),
         leaf_adv=None if adv is None else torch.from_numpy(adv),
         turn_w=None if w is None else torch.from_numpy(w),
-        z=_normalizer(method, trees, turn_weights),
+        z=METHODS[method].normalizer(trees, turn_weights),
     )
 
 
-def _normalizer(method: str, trees: Sequence[RolloutTree], turn_weights) -> float:  # type: ignore[no-untyped-def]
-    if method == "treeopsd":
-        total = 0.0
-        for k, t in enumerate(trees):
-            ell = np.asarray(loss_token_counts(t), np.float64)
-            total += float((ell * (1.0 if turn_weights is None else turn_weights[k])).sum())
-        return total
-    paths = path_counts(trees)
-    if method == "gspo":
-        return float(sum(int((p > 0).sum()) for p in paths))
-    return float(sum(p.sum() for p in paths))
-
-
-# ---- micro-batches -------------------------------------------------------------------------------------
 def plan_microbatches(trees: Sequence[RolloutTree], budget: int, packed: bool) -> list[list[Piece]]:
     """Micro-batches of one mini-batch under `budget` tokens (≤ 0: one): its pieces, first-fit-decreasing."""
     return first_fit_decreasing(microbatch_pieces(trees, budget, packed), budget)
@@ -163,24 +117,14 @@ def pack_microbatch(
     return pack_paths(trees, full=full, concat=concat, only=used, sequences=sequences)
 
 
-def loss_layout(method: str, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(on, unit, index) of the tokens a method's loss reads: TreeOPSD the owned loss tokens, its unit the
-    turn (index None: the flat token stream); the path methods every (token copy, path) pair, its unit the
-    path (index: the pairs' flat token positions)."""
-    if method == "treeopsd":
-        turn_ids = torch.where(packed.owned & (packed.turn_ids >= 0), packed.turn_ids, -1).flatten()
-        return turn_ids >= 0, turn_ids, None
-    return packed.effective_mask.flatten()[packed.pair_index], packed.pair_seq, packed.pair_index
-
-
 def correction(algo: AlgoConfig, packed: PackedBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The rollout correction's weights over the method's loss layout (`loss_layout`) and their sums;
+    """The rollout correction's weights over the method's loss layout (`Method.layout`) and their sums;
     (None, {}) with algo.rollout_correction = none."""
     if algo.rollout_correction == "none":
         return None, {}
     if packed.proximal_logp is None:
         raise ValueError("algo.rollout_correction needs the proximal log-probs scored at the step's start")
-    on, unit, index = loss_layout(algo.method, packed)
+    on, unit, index = METHODS[algo.method].layout(packed)
     prox, behavior = packed.proximal_logp.flatten(), packed.behavior_logp.flatten()
     if index is not None:
         prox, behavior = prox[index], behavior[index]
@@ -193,24 +137,6 @@ def microbatch_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of the mini-batch loss (the shares sum to the one-shot loss). The reference
     is π_prox when the step scored one (algo.proximal=step_start), else the stored μ."""
-    logp = logp.float()
     ref = packed.behavior_logp if packed.proximal_logp is None else packed.proximal_logp
     weights, _ = correction(algo, packed)
-    on, unit, index = loss_layout(algo.method, packed)
-    if index is None:  # TreeOPSD
-        loss, _ = treeopsd_loss(
-            logp.flatten(), ref.flatten(), unit, packed.q,
-            z_total=targets.z, turn_weights=targets.at_turns(packed), token_weights=weights,
-        )  # fmt: skip
-        return loss, {}
-    lp, old = logp.flatten()[index], ref.flatten()[index]
-    adv = targets.at_leaves(packed).to(lp.device)
-    clip_c = algo.dual_clip_c if algo.dual_clip else None
-    if algo.method == "gspo":
-        seq = torch.where(on, unit, -1)
-        loss, st = gspo_loss(lp, old, adv, seq, *algo.gspo_clip, z_total=targets.z, is_weights=weights)
-    else:
-        fn, clip = (grpo_loss, algo.grpo_clip) if algo.method == "grpo" else (treepo_loss, algo.treepo_clip)
-        loss, st = fn(lp, old, adv[unit], on, *clip, z_total=targets.z, clip_c=clip_c, is_weights=weights)
-    out = {k: st[k] for k in ("clip_frac", "dual_clip_frac") if k in st}
-    return loss, {**out, "clip_n": st.get("num_seqs", st.get("num_tokens", 0.0))}
+    return METHODS[algo.method].loss(algo, packed, logp.float(), ref, weights, targets)

@@ -29,7 +29,8 @@ import torch
 
 from configs.algo import AlgoConfig
 from learner.diagnostics import mismatch_sums
-from learner.minibatch import correction, loss_layout
+from learner.methods import owned_turns
+from learner.minibatch import correction
 from learner.packing import PackedBatch
 from learner.rollout_correction import mismatch_by_lag
 
@@ -90,7 +91,7 @@ class ProximalSums:
     def add(self, packed: PackedBatch) -> PackedBatch:
         """Counts a micro-batch that carries proximal log-probs; returns it (for use in comprehensions)."""
         assert packed.proximal_logp is not None
-        on, unit, _ = loss_layout("treeopsd", packed)  # every trained turn once, whatever the method
+        on, unit, _ = owned_turns(packed)  # every trained turn once, whatever the method
         lag = (self.version - packed.turn_version.to(unit.device))[unit.clamp(min=0)].clamp(0, LAG_BUCKETS)
         prox, behavior = packed.proximal_logp.flatten(), packed.behavior_logp.flatten()
         for value, (k1, k3, n) in mismatch_by_lag(prox, behavior, on, lag).items():

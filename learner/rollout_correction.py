@@ -23,8 +23,9 @@ from typing import Literal
 
 import torch
 
+from learner.baselines import LOG_RATIO_CLAMP
+
 Mode = Literal["none", "token_tis", "seq_is", "token_mask", "seq_mask"]
-LOG_RATIO_CLAMP = 20.0
 
 
 def correction_weights(

@@ -55,7 +55,7 @@ from storage.checkpoint import Checkpoint, load_latest, verify_checkpoint
 from storage.dcp_checkpoint import restore_into, save_dcp_checkpoint
 from storage.tree_codec import decode_ipc, encode_ipc
 from system.microbatch import Piece, first_fit_decreasing
-from system.tree import RolloutTree, check_nonfinite_fraction
+from system.tree import RolloutTree
 
 __all__ = ["Padding", "ShardedLearner", "assign_to_ranks", "init_process_group", "rank_plan"]
 
@@ -137,19 +137,6 @@ class ShardedLearner(Learner):
             smallest = min(pieces, key=lambda p: (p.tokens, p.tree, p.nodes[0]))
             mine += [Padding(self._inputs(trees, [smallest]))] * (passes - len(mine))  # type: ignore[list-item]
         return mine
-
-    def _check_nonfinite(self, batches: list[PackedBatch]) -> None:
-        """The non-finite turn share over the whole batch (all ranks), so every rank decides alike."""
-        affected = total = 0
-        for p in batches:
-            if isinstance(p, Padding):
-                continue
-            on = p.owned & (p.turn_ids >= 0)
-            bad = on & ~torch.isfinite(p.behavior_logp)
-            total += int(torch.unique(p.turn_ids[on]).numel())
-            affected += int(torch.unique(p.turn_ids[bad]).numel())
-        a, t = all_reduce_sums([float(affected), float(total)])
-        check_nonfinite_fraction(int(a), int(t), self.cfg.algo.nonfinite_turn_limit)
 
     def _scored(self, batches: list[list[PackedBatch]]) -> list[list[torch.Tensor | None]]:
         """As Learner's; a padding pass forwards too (every rank joins each all-gather) and scores None."""
