@@ -55,8 +55,14 @@ class SealedMemfd:
             t = self.specs[name]
             layout.append([name, t.dtype, list(t.shape), t.offset, t.nbytes])
         path = f"/proc/{os.getpid()}/fd/{self.fd}"
-        return {"path": path, "dev": self.dev, "ino": self.ino, "size": self.size, "sealed": True,
-                "tensors": layout}  # fmt: skip
+        return {
+            "path": path,
+            "dev": self.dev,
+            "ino": self.ino,
+            "size": self.size,
+            "sealed": True,
+            "tensors": layout,
+        }
 
     def close(self) -> None:
         self._close()

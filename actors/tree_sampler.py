@@ -216,9 +216,15 @@ class TreeSampler:
         server = self._turn_server()
         gate = WeightGate(server, self.poller, self.stats)
         return EpisodeRunner(
-            server, self.env, self.chat, self.limits, gate,
-            max_inflight=self.max_inflight, tools=self._tool_pool(), stats=self.stats,
-        )  # fmt: skip
+            server,
+            self.env,
+            self.chat,
+            self.limits,
+            gate,
+            max_inflight=self.max_inflight,
+            tools=self._tool_pool(),
+            stats=self.stats,
+        )
 
     def _turn_server(self) -> TurnServer:
         if self._server is None:

@@ -270,8 +270,10 @@ class WeightSubscriber:
             if (st.st_dev, st.st_ino) != (locator.get("dev"), locator.get("ino")):
                 return None  # the descriptor number now names another file
             if st.st_size != header.total_bytes:
-                raise WeightMessageError(f"v{header.version}: payload holds {st.st_size} bytes, header says "
-                                         f"{header.total_bytes} (truncated?)")  # fmt: skip
+                raise WeightMessageError(
+                    f"v{header.version}: payload holds {st.st_size} bytes, header says "
+                    f"{header.total_bytes} (truncated?)"
+                )
             try:
                 # Sealed against writes and resizes (kernel-enforced) right after the publisher's copy: these
                 # bytes cannot differ from the ones it wrote (and hashes, if asked): hashing proves nothing.

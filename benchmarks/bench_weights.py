@@ -52,9 +52,14 @@ def _config(target_bytes: int) -> dict[str, Any]:
     per_layer = 4 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV_HEADS // HEADS + 3 * HIDDEN * FFN)
     layers = max(1, round((target_bytes - 2 * 4 * vocab * HIDDEN) / per_layer))
     return dict(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        tie_word_embeddings=False,
+    )
 
 
 def _payload(cfg: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -239,15 +244,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     r = lambda x: round(x, 4)  # noqa: E731
     vllm = _vllm_figures(quick, reps)
     return {
-        "payload_mb": r(nbytes / 2**20), "tensors": len(payload), "reps": reps, "cpus": os.cpu_count(),
-        "raw_zmq_s_1": r(best["raw"]), "broadcast_s_1": r(best["ours_1"]),
-        "broadcast_over_raw_zmq": r(best["raw"] / best["ours_1"]), "broadcast_s_4": r(best["ours_4"]),
-        "fanout4_over_fanout1": r(best["ours_4"] / best["ours_1"]), "publish_s": r(cases["ours_1"].publish_s),
+        "payload_mb": r(nbytes / 2**20),
+        "tensors": len(payload),
+        "reps": reps,
+        "cpus": os.cpu_count(),
+        "raw_zmq_s_1": r(best["raw"]),
+        "broadcast_s_1": r(best["ours_1"]),
+        "broadcast_over_raw_zmq": r(best["raw"] / best["ours_1"]),
+        "broadcast_s_4": r(best["ours_4"]),
+        "fanout4_over_fanout1": r(best["ours_4"] / best["ours_1"]),
+        "publish_s": r(cases["ours_1"].publish_s),
         "hash_s": r(cases["tcp_1"].hash_s),
-        "broadcast_tcp_s_1": r(best["tcp_1"]), "broadcast_tcp_s_4": r(best["tcp_4"]),
-        "tcp_fanout4_over_fanout1": r(best["tcp_4"] / best["tcp_1"]), "apply_s_hf": r(best["apply"]),
-        "transport": "shm", **vllm, "load_avg_1m": round(os.getloadavg()[0], 2),
-    }  # fmt: skip
+        "broadcast_tcp_s_1": r(best["tcp_1"]),
+        "broadcast_tcp_s_4": r(best["tcp_4"]),
+        "tcp_fanout4_over_fanout1": r(best["tcp_4"] / best["tcp_1"]),
+        "apply_s_hf": r(best["apply"]),
+        "transport": "shm",
+        **vllm,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def _vllm_figures(quick: bool, reps: int) -> dict[str, Any]:

@@ -57,8 +57,10 @@ def sized_tree(target_tokens: int, vocab: int, seed: int = 0):  # type: ignore[n
 
     guess = max(2, round(64 * target_tokens / build(64).num_tokens))  # tokens grow about ∝ length
     # the structure is redrawn with the length, so take the closest of the lengths around the guess
-    tree = min((build(n) for n in range(max(2, guess * 3 // 4), guess * 5 // 4 + 2)),
-               key=lambda t: abs(t.num_tokens - target_tokens))  # fmt: skip
+    tree = min(
+        (build(n) for n in range(max(2, guess * 3 // 4), guess * 5 // 4 + 2)),
+        key=lambda t: abs(t.num_tokens - target_tokens),
+    )
     return credit_rollout_tree(tree, parse_config({}).algo)
 
 

@@ -40,10 +40,15 @@ def _config(target_bytes: int) -> dict[str, Any]:
     per_layer = 2 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV_HEADS // HEADS + 3 * HIDDEN * FFN)
     layers = max(1, round((target_bytes - 2 * 2 * vocab * HIDDEN) / per_layer))
     return dict(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        tie_word_embeddings=False,
         max_position_embeddings=512,
-    )  # fmt: skip
+    )
 
 
 def _checkpoint(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -164,10 +169,14 @@ def run_vllm(quick: bool, reps: int) -> dict[str, Any]:
             backend.close()
     r = lambda x: round(x, 4)  # noqa: E731
     return {
-        "vllm_payload_mb": r(nbytes / 2**20), "vllm_payload_dtype": "bfloat16",
+        "vllm_payload_mb": r(nbytes / 2**20),
+        "vllm_payload_dtype": "bfloat16",
         "vllm_engine_dtype": "bfloat16",
-        "vllm_engine_start_s": round(start_s, 1), "inplace_s_vllm": r(best["shared"]),
-        "file_s_vllm": r(best["file"]), "inplace_over_file": r(best["file"] / best["shared"]),
+        "vllm_engine_start_s": round(start_s, 1),
+        "inplace_s_vllm": r(best["shared"]),
+        "file_s_vllm": r(best["file"]),
+        "inplace_over_file": r(best["file"] / best["shared"]),
         "inplace_staged_s_vllm": r(best["staged"]),
-        "apply_s_vllm": r(apply_s), "apply_received_s_vllm": r(received_s),
-    }  # fmt: skip
+        "apply_s_vllm": r(apply_s),
+        "apply_received_s_vllm": r(received_s),
+    }

@@ -114,8 +114,9 @@ def audit(args: argparse.Namespace, returncode: int, plan: list[Any], kills: lis
     from launch.drill import drill_verdict, lineage, live_batches, read_batch_index_events
 
     run_dir = Path(args.run_dir)
-    verify = subprocess.run(_cli("store", "verify", str(run_dir / "store")), cwd=ROOT, capture_output=True,
-                            text=True)  # fmt: skip
+    verify = subprocess.run(
+        _cli("store", "verify", str(run_dir / "store")), cwd=ROOT, capture_output=True, text=True
+    )
     errors = [] if verify.returncode == 0 else [verify.stdout.strip() or verify.stderr.strip()]
     trained = lineage(read_batch_index_events(run_dir / "tb"))
     batches = live_batches(run_dir / "store")

@@ -43,10 +43,15 @@ def soak_config(args: argparse.Namespace) -> Any:
     from configs.schema import load_config
 
     extra = [
-        f"run.run_dir={args.run_dir}", f"run.time_limit_s={args.minutes * 60:g}", f"run.steps={UNLIMITED}",
-        f"run.max_learner_restarts={UNLIMITED}", f"run.max_store_restarts={UNLIMITED}",
-        f"run.max_backup_restarts={UNLIMITED}", f"sampler.max_restarts={UNLIMITED}", "logging.progress=false",
-    ]  # fmt: skip
+        f"run.run_dir={args.run_dir}",
+        f"run.time_limit_s={args.minutes * 60:g}",
+        f"run.steps={UNLIMITED}",
+        f"run.max_learner_restarts={UNLIMITED}",
+        f"run.max_store_restarts={UNLIMITED}",
+        f"run.max_backup_restarts={UNLIMITED}",
+        f"sampler.max_restarts={UNLIMITED}",
+        "logging.progress=false",
+    ]
     return load_config(args.config, [*args.overrides, *extra])
 
 

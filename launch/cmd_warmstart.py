@@ -105,9 +105,14 @@ def _warmstart_model(args: argparse.Namespace, cfg: Any) -> int:
         return 2
     out = args.out or str(models_dir_of(cfg) / f"{Path(model).name}-{cfg.env.protocol}-sft")
     report = protocol_warmstart(
-        model, out, cfg.env.protocol, steps=args.steps or 40, seed=cfg.run.seed,
-        enable_thinking=cfg.env.enable_thinking, progress=cfg.logging.progress,
-    )  # fmt: skip
+        model,
+        out,
+        cfg.env.protocol,
+        steps=args.steps or 40,
+        seed=cfg.run.seed,
+        enable_thinking=cfg.env.enable_thinking,
+        progress=cfg.logging.progress,
+    )
     how = "reused" if report["cached"] else f"SFT in {report['seconds']:.1f} s"
     text = f"{how} on the {report['protocol']} protocol: loss {report['loss_first']} -> {report['loss_last']}"
     print(json.dumps(report, sort_keys=True) if args.json else f"{text}\nmodel: {report['model_dir']}")

@@ -71,8 +71,9 @@ def _sampled(cfg, model_path, tasks, env, batch, progress, samples) -> dict[str,
     """K episodes per task at temperature 1 from a seeded sampling backend."""
     from launch.model_setup import build_policy
 
-    at_t1 = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"temperature": 1.0, "top_p": 1.0,
-                                                                           "top_k": 0})})  # fmt: skip
+    at_t1 = cfg.model_copy(
+        update={"sampler": cfg.sampler.model_copy(update={"temperature": 1.0, "top_p": 1.0, "top_k": 0})}
+    )
     backend = build_policy(at_t1, model_path, seed=cfg.run.seed + 1)
     try:
         repeated = [t for t in tasks for _ in range(samples)]

@@ -178,8 +178,10 @@ def best_per_group(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> list[dic
             s["group"] not in best or m > best[s["group"]][spec.select or "success"][0]
         ):
             best[s["group"]] = s
-    return [{"group": g, "row": s["row"], "metric": spec.select, "value": s[spec.select or "success"]}
-            for g, s in best.items()]  # fmt: skip
+    return [
+        {"group": g, "row": s["row"], "metric": spec.select, "value": s[spec.select or "success"]}
+        for g, s in best.items()
+    ]
 
 
 def render_best(picks: Sequence[Mapping[str, Any]]) -> str:

@@ -24,9 +24,12 @@ STALENESS_CURVES = (
 CURVE_KEYS = (*TRAINING_CURVES, *STALENESS_CURVES, "tree/truncated_frac")
 # What the runner imposes on every run (documented in docs/results.md).
 RUN_SETTINGS = (
-    "run.mode=sync", "store.eta=0", "sampler.num_samplers=1", "logging.progress=false",
+    "run.mode=sync",
+    "store.eta=0",
+    "sampler.num_samplers=1",
+    "logging.progress=false",
     "learner.checkpoint_every=1000000",  # the run saves its final weights itself
-)  # fmt: skip
+)
 
 
 def _threads() -> None:

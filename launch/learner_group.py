@@ -38,8 +38,18 @@ DEATH_GRACE_S = 10.0  # how long a failure waits for Ray to report a dead rank b
 
 
 # what torch.distributed's errors say (DistBackendError/DistNetworkError/DistStoreError, gloo, NCCL)
-COLLECTIVE_SIGNS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "gloo", "NCCL",
-                    "Timed out", "timed out", "Connection closed", "Connection reset")  # fmt: skip
+COLLECTIVE_SIGNS = (
+    "DistError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "gloo",
+    "NCCL",
+    "Timed out",
+    "timed out",
+    "Connection closed",
+    "Connection reset",
+)
 
 
 class LearnerRankError(RuntimeError):

@@ -108,10 +108,13 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
     retrieval = start_retrieval_service(cfg, data)  # before the samplers: they get its URL through `data`
     store_name = f"treeopsd-store-{uuid.uuid4().hex[:12]}"  # samplers look it up by name (SamplerActor)
     store = start_store_actor(
-        cfg.store_dir, name=store_name, eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees,
+        cfg.store_dir,
+        name=store_name,
+        eta=cfg.admission_eta,
+        batch_size=cfg.learner.batch_trees,
         max_restarts=cfg.run.max_store_restarts,  # Ray restarts a dead store in place (launch/supervision.py)
         run_dir=cfg.run.run_dir,  # RUN_DIR/logs/store-0.log
-    )  # fmt: skip
+    )
     learners = start_learner_group(cfg, data, model_path, store, resume, role_options(cfg, "learner"))
     learner = learners.rank0
     endpoint, key = ray.get(learner.endpoint.remote())

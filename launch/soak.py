@@ -163,8 +163,10 @@ class MemoryWatch(_Periodic):
 
     def series_mb(self) -> dict[str, list[list[float]]]:
         """Every process's samples as {"role/pid": [[seconds, MB], ...]} (the report keeps them)."""
-        return {f"{role}/{pid}": [[round(t, 1), round(b / 1e6, 2)] for t, b in series]
-                for (role, pid), series in sorted(self.samples.items())}  # fmt: skip
+        return {
+            f"{role}/{pid}": [[round(t, 1), round(b / 1e6, 2)] for t, b in series]
+            for (role, pid), series in sorted(self.samples.items())
+        }
 
 
 def _rss_bytes(pid: int) -> float | None:

@@ -257,8 +257,12 @@ class Supervisor:
                 return str(group.wait(group.call("save_final")))
             except (ray.exceptions.RayError, LearnerRankError) as e:
                 self.learner_failed(driver, e)  # re-synced or restarted; then the save is asked again
-        raise RoleFailed("learner", self.restarts["learner"], self.cfg.run.max_learner_restarts,
-                         "the final checkpoint failed every time")  # fmt: skip
+        raise RoleFailed(
+            "learner",
+            self.restarts["learner"],
+            self.cfg.run.max_learner_restarts,
+            "the final checkpoint failed every time",
+        )
 
     @staticmethod
     def _stop_learners(group: LearnerGroup | None) -> None:

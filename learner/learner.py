@@ -375,9 +375,14 @@ class Learner:
             if self.last_metrics is not None:  # a learner killed before the step's call returned keeps them
                 extra["step_metrics"] = {k: float(v) for k, v in self.last_metrics.items()}
         return self.write_checkpoint(
-            run_dir, self.version if step is None else step, self.model, self.optimizer,
-            version=self.version, extra=extra, tokenizer=tokenizer or self.tokenizer,
-        )  # fmt: skip
+            run_dir,
+            self.version if step is None else step,
+            self.model,
+            self.optimizer,
+            version=self.version,
+            extra=extra,
+            tokenizer=tokenizer or self.tokenizer,
+        )
 
     def restore(self, run_dir: str | Path) -> Checkpoint | None:
         """Loads the newest valid checkpoint into model, optimizer and RNGs; None if there is none."""

@@ -47,9 +47,12 @@ class LearnerRankActor(ShardedLearner):
             w = config.weights
             self.publisher = WeightPublisher(w.bind_host, w.port, w.chunk_mb, w.auth)
         super().__init__(
-            model, config, store=RemoteStore(store) if rank == 0 else None, weights=self.publisher,
+            model,
+            config,
+            store=RemoteStore(store) if rank == 0 else None,
+            weights=self.publisher,
             tokenizer=tokenizer,
-        )  # fmt: skip
+        )
         self.start(resume)
 
     def pid(self) -> int:

@@ -93,8 +93,16 @@ def _draw_panel(ax: Any, panel: Panel, scalars: Scalars, color_for: Any, legend:
             ax.plot(steps, values, label=label, marker="o", markersize=3.5, **style)
         drawn += 1
     if not drawn:
-        ax.text(0.5, 0.5, panel.missing_note(), transform=ax.transAxes, ha="center", va="center",
-                fontsize=11, color="0.45")  # fmt: skip
+        ax.text(
+            0.5,
+            0.5,
+            panel.missing_note(),
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=11,
+            color="0.45",
+        )
         ax.set_xticks([])
         ax.set_yticks([])
         return False
@@ -132,8 +140,14 @@ def render_figure(spec: FigureSpec, scalars: Scalars, path: Path, run_name: str 
             for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
                 labelled.setdefault(label, handle)
         if labelled:
-            fig.legend(list(labelled.values()), list(labelled), loc="outside lower center",
-                       ncol=min(len(labelled), 6), fontsize=9, frameon=False)  # fmt: skip
+            fig.legend(
+                list(labelled.values()),
+                list(labelled),
+                loc="outside lower center",
+                ncol=min(len(labelled), 6),
+                fontsize=9,
+                frameon=False,
+            )
     fig.suptitle(f"{spec.title} — {run_name}" if run_name else spec.title, fontsize=13)
     fig.savefig(path, format="png")
     return [p.title for p in spec.panels]

@@ -89,11 +89,17 @@ class WeightHeader:
 
     def to_bytes(self) -> bytes:
         doc = {
-            "magic": MAGIC_JSON, "format": FORMAT, "version": self.version, "checksum": self.checksum,
-            "align": ALIGN, "total_bytes": self.total_bytes, "chunk_size": self.chunk_size,
-            "num_chunks": self.num_chunks, "chunk_crc32": list(self.chunk_crc32),
+            "magic": MAGIC_JSON,
+            "format": FORMAT,
+            "version": self.version,
+            "checksum": self.checksum,
+            "align": ALIGN,
+            "total_bytes": self.total_bytes,
+            "chunk_size": self.chunk_size,
+            "num_chunks": self.num_chunks,
+            "chunk_crc32": list(self.chunk_crc32),
             "tensors": [asdict(t) for t in self.tensors],  # name, dtype, shape, offset, nbytes
-        }  # fmt: skip
+        }
         body = json.dumps(doc, separators=(",", ":")).encode()
         return HEADER_PREFIX.pack(MAGIC, len(body), zlib.crc32(body)) + body
 

@@ -130,8 +130,11 @@ class HFBackend:
                 f"load_weights: unknown names {unknown[:5]} (model has e.g. {next(iter(state))})"
             )
         tensors = {name: torch.as_tensor(t) for name, t in named_tensors.items()}
-        bad = [f"{n}: got {tuple(t.shape)}, want {tuple(state[n].shape)}" for n, t in tensors.items()
-               if t.shape != state[n].shape]  # fmt: skip
+        bad = [
+            f"{n}: got {tuple(t.shape)}, want {tuple(state[n].shape)}"
+            for n, t in tensors.items()
+            if t.shape != state[n].shape
+        ]
         if bad:
             raise ValueError(f"load_weights: shape mismatch {bad[:5]}")
         with torch.no_grad():

@@ -91,5 +91,11 @@ def row_cache(state: Lockstep, row: int, fed: int, config: object) -> DynamicCac
 
 
 def _forward(model, ids, cache, mask, pos, device):  # type: ignore[no-untyped-def]
-    return model(input_ids=ids.to(device), past_key_values=cache, use_cache=True,
-                 attention_mask=mask.to(device), position_ids=pos.to(device), logits_to_keep=1)  # fmt: skip
+    return model(
+        input_ids=ids.to(device),
+        past_key_values=cache,
+        use_cache=True,
+        attention_mask=mask.to(device),
+        position_ids=pos.to(device),
+        logits_to_keep=1,
+    )

@@ -331,9 +331,17 @@ def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[
     examples = oracle_examples(tokenizer, env, tasks, progress)
     t_data = time.perf_counter()
     losses = sft_train(
-        model, examples, cfg["steps"], cfg["batch_size"], cfg["lr"], cfg["warmup"], cfg["schedule"],
-        cfg["seed"], tokenizer.pad_token_id, progress,
-    )  # fmt: skip
+        model,
+        examples,
+        cfg["steps"],
+        cfg["batch_size"],
+        cfg["lr"],
+        cfg["warmup"],
+        cfg["schedule"],
+        cfg["seed"],
+        tokenizer.pad_token_id,
+        progress,
+    )
     t_train = time.perf_counter()
     eval_tasks = env.tasks("eval", per_hop=cfg["eval_per_hop"])
     metrics = evaluate_greedy(model, env, eval_tasks, tokenizer, progress=progress)
