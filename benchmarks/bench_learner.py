@@ -38,69 +38,18 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Any
 
 import numpy as np
 import torch
 
-from actors.policy.tiny_model import build_tiny_model, build_tokenizer
+from actors.policy.tiny_model import build_tiny_model
 from benchmarks.learner_microbatch import attention_scaling, microbatch_overhead
+from benchmarks.workloads import bench_tokenizer, random_rollout_tree
 from configs.schema import parse_config
 from learner.learner import Learner
 from learner.packing import pack_paths
 from system.credit import credit_rollout_tree
 from system.tree import RolloutTree
-from system.tree_build import TreeBuilder, choose_anchors
-
-
-def random_rollout_tree(
-    rng: np.random.Generator,
-    tree_id: str,
-    vocab: int,
-    m: int = 4,
-    n: int = 2,
-    prompt: tuple[int, int] = (50, 70),
-    turn: tuple[int, int] = (15, 40),
-    obs: tuple[int, int] = (35, 45),
-    turns: tuple[int, int] = (2, 5),
-    reward_p: float = 0.5,
-) -> RolloutTree:
-    """An initialize–expand tree with random token ids in [3, vocab) and random log-probs (§2.2–2.3).
-
-    Lengths are inclusive ranges; branches from anchor k take T' − k turns, T' ~ U{k+1..turns[1]}.
-    """
-
-    def draw(lo_hi: tuple[int, int], size: int | None = None) -> Any:
-        return rng.integers(lo_hi[0], lo_hi[1] + 1, size=size)
-
-    b = TreeBuilder(tree_id, rng.integers(3, vocab, draw(prompt)))
-
-    def chain(parent: int, length: int) -> list[int]:
-        ids = []
-        for _ in range(length):
-            size = int(draw(turn))
-            lp = np.log(rng.uniform(0.05, 1.0, size)).astype(np.float32)
-            parent = b.add_turn(parent, rng.integers(3, vocab, size), lp, rng.integers(3, vocab, draw(obs)))
-            ids.append(parent)
-        return ids
-
-    leaves = []
-    for _ in range(m):
-        t = int(draw(turns))
-        main = chain(0, t)
-        leaves.append(main[-1])
-        for k in choose_anchors(t, n, rng):
-            leaves.append(chain(main[k - 1], int(rng.integers(k + 1, max(turns[1], k + 1) + 1)) - k)[-1])
-    for leaf in leaves:
-        b.set_reward(leaf, float(rng.random() < reward_p))
-    return b.build()
-
-
-def _tokenizer():
-    rng = np.random.default_rng(0)
-    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    words = ["".join(rng.choice(letters, int(rng.integers(2, 9)))) for _ in range(4000)]
-    return build_tokenizer([" ".join(words[i : i + 20]) for i in range(0, len(words), 20)], vocab_size=1024)
 
 
 def _learner(model, packed: bool, attention: str) -> Learner:
@@ -198,7 +147,7 @@ def run(args) -> dict:
         return run_shapes(args)
     quick = bool(getattr(args, "quick", False))
     torch.set_num_threads(1)
-    tok = _tokenizer()
+    tok = bench_tokenizer()
     rng = np.random.default_rng(0)
     cfg = parse_config({})
     trees = [credit_rollout_tree(random_rollout_tree(rng, f"t{i}", len(tok)), cfg.algo) for i in range(8)]

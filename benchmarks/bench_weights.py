@@ -34,16 +34,9 @@ from typing import Any
 import numpy as np
 import zmq
 
+from benchmarks.workloads import wait_until
+
 HIDDEN, FFN, HEADS, KV_HEADS = 512, 1536, 8, 2
-
-
-def _wait(pred: Any, what: str, timeout_s: float = 300) -> None:
-    """Until `pred()`; a publisher that never gets there fails the run instead of hanging it."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout_s} s")
-        time.sleep(0.005)
 
 
 def _config(target_bytes: int) -> dict[str, Any]:
@@ -181,7 +174,7 @@ class _Ours:
         dt = time.perf_counter() - t0
         self.publish_s = min(self.publish_s, self.pub.stats()["publish_s"])  # the warm-up is the slowest
         # The hash of this version may still run: its time comes after.
-        _wait(lambda: not self.pub.stats()["hashing"], "the background hash")
+        wait_until(lambda: not self.pub.stats()["hashing"], "the background hash")
         self.hash_s = min(self.hash_s, self.pub.stats()["hash_s"])
         return dt
 
@@ -233,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, case in cases.items():
                 # Steady state: training runs between publishes, so every publisher has its next memfd
                 # pre-allocated, and none is allocating or hashing in the background while another is timed.
-                _wait(lambda: all(c.ready() for c in cases.values()), "every publisher's spare and hash")
+                wait_until(lambda: all(c.ready() for c in cases.values()), "every publisher's spare and hash")
                 time.sleep(0.1)
                 dt = case.once(payload, version)
                 if version > 1:

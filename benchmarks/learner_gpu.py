@@ -92,7 +92,7 @@ def build_model(shape: str, device: torch.device, seed: int = 0) -> torch.nn.Mod
 
 def draw_batch(rng: np.random.Generator, vocab: int, step: int, cfg: Config, tiny: bool) -> list[RolloutTree]:
     """4 credited (4,2) trees of the agentic shape (tiny: 10× shorter turns, for the CPU)."""
-    from benchmarks.bench_learner import random_rollout_tree
+    from benchmarks.workloads import random_rollout_tree
 
     shape = TREE_SHAPE
     if tiny:

@@ -44,7 +44,7 @@ def _reset_peak() -> float:
 def sized_tree(target_tokens: int, vocab: int, seed: int = 0):  # type: ignore[no-untyped-def]
     """A credited (4,2) tree of about `target_tokens` packed tokens: 6–10 turns per trajectory, turn and
     observation lengths scaled to the target."""
-    from benchmarks.bench_learner import random_rollout_tree
+    from benchmarks.workloads import random_rollout_tree
     from configs.schema import parse_config
     from system.credit import credit_rollout_tree
 
@@ -68,12 +68,12 @@ def _attention_child(target: int, kind: str, queue: Any) -> None:
     """One forward+backward in this fresh process; puts (cpu_s, peak_rss_mb, tokens) on the queue."""
     torch.set_num_threads(1)
     from actors.policy.tiny_model import build_tiny_model
-    from benchmarks.bench_learner import _tokenizer
+    from benchmarks.workloads import bench_tokenizer
     from learner.forward import token_logprobs
     from learner.losses import treeopsd_loss
     from learner.packing import pack_tree
 
-    tok = _tokenizer()
+    tok = bench_tokenizer()
     model = build_tiny_model(tok, hidden=64, layers=2, heads=2, kv_heads=1, max_positions=65536)
     model.config._attn_implementation = "sdpa"
     packed = pack_tree(sized_tree(target, len(tok)))

@@ -190,11 +190,11 @@ def _inputs(folder: Path, quick: bool) -> tuple[int, int]:
     """The model (hidden 128 / 4 layers; quick: 64 / 2) and BENCH_TREES credited (4,2) trees (quick: 8);
     (trees, tokens)."""
     from actors.policy.tiny_model import build_tiny_model
-    from benchmarks.bench_learner import _tokenizer, random_rollout_tree
+    from benchmarks.workloads import bench_tokenizer, random_rollout_tree
     from configs.schema import parse_config
     from system.credit import credit_rollout_tree
 
-    tok = _tokenizer()
+    tok = bench_tokenizer()
     shape = (64, 2, 2, 1) if quick else (128, 4, 4, 2)
     model = build_tiny_model(tok, *shape, max_positions=4096)
     model.config._attn_implementation = "sdpa"

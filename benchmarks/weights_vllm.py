@@ -120,7 +120,7 @@ def _publish_to_engine(backend: Any, payload: dict[str, Any], reps: int) -> tupl
     """Best of `reps` (after a warm-up) of publish → subscriber poll → load into the engine, and of its
     first part (publish until the subscriber holds the version)."""
     from actors.weight_subscriber import WeightSubscriber
-    from benchmarks.bench_weights import _wait
+    from benchmarks.workloads import wait_until
     from learner.weight_publisher import WeightPublisher
 
     pub = WeightPublisher(keep=1)
@@ -131,7 +131,7 @@ def _publish_to_engine(backend: Any, payload: dict[str, Any], reps: int) -> tupl
         for version in range(1000, 1001 + reps):
             # steady state: training runs between publishes
             ready = lambda: pub.stats()["spare_ready"] and not pub.stats()["hashing"]  # noqa: E731
-            _wait(ready, "the publisher's spare memfd and hash")
+            wait_until(ready, "the publisher's spare memfd and hash")
             t0 = time.perf_counter()
             pub.publish(payload, version)
             got = _poll_version(sub, version)

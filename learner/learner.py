@@ -66,7 +66,8 @@ from learner.minibatch import (
 )
 from learner.packing import PackedBatch
 from learner.reference_pass import reference_pass
-from storage.checkpoint import Checkpoint, checkpoint_bytes, load_latest, save_checkpoint
+from storage.checkpoint import DCP_FORMAT, Checkpoint, checkpoint_bytes, load_latest, save_checkpoint
+from storage.dcp_checkpoint import restore_dcp
 from system.credit import is_zero_variance, no_signal_stats
 from system.depth_correction import depth_weights
 from system.interfaces import StoreClient, WeightSource
@@ -388,7 +389,10 @@ class Learner:
         """Loads the newest valid checkpoint into model, optimizer and RNGs; None if there is none."""
         ckpt = load_latest(run_dir)
         if ckpt is not None:
-            ckpt.restore(self.model, self.optimizer)
+            if ckpt.meta.get("format") == DCP_FORMAT:  # a sharded run's checkpoint, restored in one process
+                restore_dcp(ckpt, self.model, self.optimizer)
+            else:
+                ckpt.restore(self.model, self.optimizer)
             self.version = ckpt.version
             self.last_metrics = checkpointed_metrics(ckpt)
         return ckpt

@@ -242,10 +242,7 @@ class Checkpoint:
     ) -> None:
         """Loads weights into `model` (in place), the optimizer state, and (rng=True) the global RNGs."""
         if self.meta.get("format") == DCP_FORMAT:  # sharded (torch DCP) checkpoint of learner.ranks > 1
-            from storage.dcp_checkpoint import restore_dcp
-
-            restore_dcp(self, model, optimizer, rng)
-            return
+            raise CheckpointError(f"{self.path} is sharded (DCP): storage/dcp_checkpoint.py restores it")
         load_model_weights(model, self.path)
         if optimizer is not None:
             state = self.optimizer_state()

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from actors.policy.tiny_model import build_tokenizer
-from benchmarks.bench_learner import random_rollout_tree
+from benchmarks.workloads import random_rollout_tree
 from configs.schema import parse_config
 from learner.forward import token_logprobs
 from learner.packing import pack_tree

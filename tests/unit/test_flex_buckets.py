@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.policy.tiny_model import build_tiny_model, build_tokenizer
-from benchmarks.bench_learner import random_rollout_tree
+from benchmarks.workloads import random_rollout_tree
 from learner.flex_attention import (
     BUCKETS,
     block_tables,
