@@ -35,7 +35,6 @@ from typing import Any
 import ray
 
 from configs.schema import Config
-from launch.backup_actor import BackupActor
 from launch.learner_group import LearnerGroup, LearnerRankError
 from launch.restart_policy import (
     RestartBudget,
@@ -45,8 +44,7 @@ from launch.restart_policy import (
     failure_kind,
     learner_action,
 )
-from storage.replay_store_actor import RemoteStore
-from storage.role_log import with_role_log
+from launch.topology import role_options, scale_samplers, start_backup
 
 log = logging.getLogger("treeopsd.supervision")
 STORE_WAIT_S = 600.0  # a restarted store reopens its directory first: that scans every segment
@@ -83,15 +81,6 @@ def kind_of(e: BaseException) -> str:
     task = isinstance(e, ray.exceptions.RayTaskError)
     cause = getattr(e, "cause", None)
     return failure_kind(task, isinstance(cause, ray.exceptions.RayActorError))
-
-
-def start_backup(cfg: Config, store: Any) -> Any:
-    """A backup actor on a store; not restarted by Ray: the supervisor starts a new one (it is stateless)."""
-    from launch.ray_run import role_options
-
-    role = with_role_log(BackupActor, cfg.run.run_dir, "backup")  # RUN_DIR/logs/backup-0.log, appended
-    cls = ray.remote(max_restarts=0)(role).options(**role_options(cfg, "backup"))
-    return cls.remote(RemoteStore(store), cfg.algo)
 
 
 class Supervisor:
@@ -287,7 +276,6 @@ class Supervisor:
 
     def _start_on(self, data: dict[str, Any]) -> tuple[LearnerGroup, tuple[str, Any]]:
         from launch.learner_group import start_learner_group
-        from launch.ray_run import role_options
 
         model_path = self.topo.args[1]
         group = start_learner_group(
@@ -302,8 +290,6 @@ class Supervisor:
     def _follow_endpoint(self, driver: Any, endpoint: tuple[str, Any]) -> None:
         """Samplers subscribed to an endpoint that is gone retire (after their current call) and new ones
         subscribe to the new endpoint."""
-        from launch.ray_run import scale_samplers
-
         data, model_path, store_name, old, old_key = self.topo.args
         if tuple(endpoint) == (old, old_key):
             return
