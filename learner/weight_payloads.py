@@ -50,7 +50,7 @@ class Payload:
         try:
             self.mm.close()  # F_SEAL_WRITE needs every writable mapping gone
             if enforce:
-                fcntl.fcntl(self.fd, fcntl.F_ADDSEALS, SEALS | fcntl.F_SEAL_SEAL)
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
                 self.sealed = True
         except (BufferError, OSError):
             pass  # left unsealed: subscribers then verify every checksum

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from learner import weight_publisher
+from learner import weight_payloads
 from learner.weight_publisher import WeightPublisher
 from tests import weight_fixtures
 from tests.weight_fixtures import CHUNK_MB, WAIT_MS, assert_weights, idle_until, memfds, weights
@@ -21,14 +21,14 @@ def hash_gate(monkeypatch):
     """Holds every background hash (after it has taken its payload) until `gate.set()`; `entered` is set
     once a hash is waiting. The checksum-less announcement is then the only one out."""
     gate, entered = threading.Event(), threading.Event()
-    real = weight_publisher.add_checksums
+    real = weight_payloads.add_checksums
 
     def gated(*args, **kwargs):
         entered.set()
         assert gate.wait(20), "hash gate never opened"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(weight_publisher, "add_checksums", gated)
+    monkeypatch.setattr(weight_payloads, "add_checksums", gated)
     yield gate, entered
     gate.set()
 
@@ -106,7 +106,7 @@ def test_retiring_a_version_while_it_is_hashed_is_clean(subscriber, hash_gate):
 
 
 def test_a_hash_superseded_before_it_starts_is_skipped(subscriber, monkeypatch):
-    real, hashed = weight_publisher.add_checksums, []
+    real, hashed = weight_payloads.add_checksums, []
     entered, go = threading.Semaphore(0), threading.Semaphore(0)
 
     def gated(header, payload, map_fn):
@@ -116,7 +116,7 @@ def test_a_hash_superseded_before_it_starts_is_skipped(subscriber, monkeypatch):
         hashed.append(out.version)
         return out
 
-    monkeypatch.setattr(weight_publisher, "add_checksums", gated)
+    monkeypatch.setattr(weight_payloads, "add_checksums", gated)
     with WeightPublisher(chunk_mb=CHUNK_MB, keep=2) as pub:
         tcp = subscriber(pub.endpoint, transport="tcp")
         pub.publish(weights(1), 1)
@@ -135,7 +135,7 @@ def test_a_hash_superseded_before_it_starts_is_skipped(subscriber, monkeypatch):
 def test_closing_during_a_background_hash_is_clean(subscriber, monkeypatch):
     before = memfds()
     started, finished, seen = threading.Event(), threading.Event(), []
-    real = weight_publisher.add_checksums
+    real = weight_payloads.add_checksums
     pub = WeightPublisher(chunk_mb=CHUNK_MB, threads=1)  # 3 chunks, hashed one at a time
     closing = pub._store._stop  # white box: what close() sets before it waits for the hash
 
@@ -149,7 +149,7 @@ def test_closing_during_a_background_hash_is_clean(subscriber, monkeypatch):
         finished.set()
         return out
 
-    monkeypatch.setattr(weight_publisher, "add_checksums", slow)
+    monkeypatch.setattr(weight_payloads, "add_checksums", slow)
     tcp = subscriber(pub.endpoint, transport="tcp")
     pub.publish(weights(1), 1)
     idle_until(tcp, started.is_set)  # it asked for the checksums
