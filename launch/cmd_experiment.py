@@ -187,6 +187,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"{h['jobs']} at a time)"
         for h in prov["executed_by"]
     )
+    from launch.experiment import Spec
     from launch.experiment_plot import plot_curves
     from launch.experiment_report import (
         best_per_group,
@@ -215,8 +216,9 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
     body = render_table(spec, summary)
     if claims:
         where = "launch/experiment_report.py `check_claims`"
-        body += f"\n\nThe paper's orderings, checked per seed (verdicts: {where}):\n\n"
-        body += render_claims(claims)
+        body += f"\n\n{spec.claims_title}, checked per seed (verdicts: {where}):\n\n"
+        paper = spec.claims_title == Spec.claims_title
+        body += render_claims(claims, "the paper's ordering" if paper else "ordering")
     picks = best_per_group(spec, summary) if spec.select else []
     if picks:
         body += f"\n\nChosen per method (highest {spec.select}; these settings go into the comparison):\n\n"

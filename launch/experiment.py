@@ -36,6 +36,7 @@ SPEC_KEYS = {
     "quick",
     "rows",
     "claims",
+    "claims_title",
     "samples",
     "ablation_seeds",
     "select",
@@ -73,6 +74,7 @@ class Spec:
     samples: int = 0  # sampled episodes per evaluation question (temperature 1), besides the greedy one
     ablation_seeds: tuple[int, ...] | None = None  # seeds of the rows outside group "main" (None: all)
     select: str | None = None  # a tuning grid: report each group's best row by this metric
+    claims_title: str = "The paper's orderings"  # what the claims are, in the table's words
 
     def model_seed(self, seed: int) -> int:
         return seed if self.warmstart_seed is None else self.warmstart_seed
@@ -164,6 +166,7 @@ def parse_spec(doc: Any, path: str = "<spec>", quick: bool = False) -> Spec:
         ints["samples"],
         ablation,
         _select(doc.get("select"), path),
+        str(doc.get("claims_title") or Spec.claims_title),
     )
     for row in rows:  # every row's config must load before anything runs
         cost = resolved_config(spec, row, seeds[0]).algo.expected_cost
