@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from configs.schema import AlgoConfig
+from configs.algo import AlgoConfig
 from system.credit import credit_rollout_tree
 from system.interfaces import StoreClient
 

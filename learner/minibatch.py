@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from configs.schema import AlgoConfig
+from configs.algo import AlgoConfig
 from learner.methods import METHODS
 from learner.packing import PackedBatch, pack_paths, pack_pieces
 from learner.rollout_correction import correction_weights

@@ -39,7 +39,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from configs.schema import AlgoConfig
+from configs.algo import AlgoConfig
 from system.parents import (
     BoolArray,
     IntArray,
