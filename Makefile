@@ -87,7 +87,7 @@ staleness-table-quick: $(STAMP)
 # The results blocks of README.md and docs/*.md from benchmarks/results/*.md (a test fails when they drift
 # apart).
 readme: $(STAMP)
-	$(PY) -m launch.readme_results
+	$(PY) -m tools.readme_results
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

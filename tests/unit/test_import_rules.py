@@ -86,3 +86,38 @@ def test_rule_5_pure_core_has_no_io_frameworks():
         str(p.relative_to(ROOT)): sorted(tops(p) & IO_FRAMEWORKS) for p in paths if tops(p) & IO_FRAMEWORKS
     }
     assert not bad, bad
+
+
+def module_edges() -> dict[str, set[str]]:
+    """Every module of the packages (and tools/) → the modules of ours it imports, at the top or inside a
+    function (a lazy import still ties the two files together)."""
+    paths = {}
+    for pkg in (*PACKAGES, "tools"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            paths[path] = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    ours = set(paths.values())
+    edges: dict[str, set[str]] = {}
+    for path, mod in paths.items():
+        found = {name for name in imports_of(path) if name in ours}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+        edges[mod] = (found & ours) - {mod}
+    return edges
+
+
+def test_no_two_modules_import_each_other():
+    edges = module_edges()
+    pairs = sorted({tuple(sorted((a, b))) for a, out in edges.items() for b in out if a in edges.get(b, ())})
+    assert not pairs, pairs
+
+
+def test_launch_reaches_benchmarks_only_through_the_bench_command():
+    edges = module_edges()
+    bad = [
+        (a, b)
+        for a, out in edges.items()
+        for b in out
+        if a.startswith("launch.") and b.startswith("benchmarks")
+    ]
+    assert all(a == "launch.cli" for a, _ in bad), bad  # `treeopsd bench` runs and renders the benchmarks

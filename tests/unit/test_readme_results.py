@@ -1,9 +1,9 @@
-"""Results blocks (launch/readme_results.py) in README.md and docs/*.md are exactly the results files, never
+"""Results blocks (tools/readme_results.py) in README.md and docs/*.md are exactly the results files, never
 typed."""
 
 from pathlib import Path
 
-from launch.readme_results import BLOCK, ROOT, render, stale, targets
+from tools.readme_results import BLOCK, ROOT, render, stale, targets
 
 
 def test_every_file_with_blocks_matches_its_results_files():

@@ -1,8 +1,8 @@
 """The results blocks of README.md and of every docs/*.md page, rendered from the results files so that no
 figure in them is typed by hand.
 
-    python -m launch.readme_results            # rewrite the blocks of README.md and docs/*.md (`make readme`)
-    python -m launch.readme_results --check    # exit 1 if a block differs from its file (a test runs this)
+    python -m tools.readme_results            # rewrite the blocks of README.md and docs/*.md (`make readme`)
+    python -m tools.readme_results --check    # exit 1 if a block differs from its file (a test runs this)
 
 A block is the text between `<!-- results: PATH -->` and `<!-- /results -->`; it holds PATH's content
 without its first `# ` title line (PATH is a markdown file written by `make bench` or `treeopsd experiment`,
