@@ -87,6 +87,7 @@ staleness-table-quick: $(STAMP)
 # The results blocks of README.md and docs/*.md from benchmarks/results/*.md (a test fails when they drift
 # apart).
 readme: $(STAMP)
+	$(PY) -m tools.fault_report benchmarks/results
 	$(PY) -m tools.readme_results
 
 clean:

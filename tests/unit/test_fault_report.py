@@ -1,9 +1,9 @@
-"""The fault-tolerance block of docs/results.md (launch/fault_report.py) is rendered from the soak's and the
+"""The fault-tolerance block of docs/results.md (tools/fault_report.py) is rendered from the soak's and the
 drill's reports: every figure in it comes from those files."""
 
 import json
 
-from launch.fault_report import publish, render
+from tools.fault_report import publish, render
 
 SOAK = {
     "ok": True, "minutes": 30.0, "every": 30.0, "seed": 0, "steps": 412,

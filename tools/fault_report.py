@@ -1,9 +1,10 @@
 """The fault-tolerance figures of docs/results.md, rendered from the reports the soak and the drill write.
 
-    python -m launch.fault_report benchmarks/results     # soak.json, drill.json there → faults.md
+    python -m tools.fault_report benchmarks/results     # soak.json, drill.json there → faults.md
 
 `treeopsd soak --results DIR` and `treeopsd drill --results DIR` copy their report to DIR/soak.json or
-DIR/drill.json and call this; docs/results.md shows DIR/faults.md (`make readme`).
+DIR/drill.json; `make readme` renders DIR/faults.md from them with this module (repository tooling, not
+installed with the package), and docs/results.md shows it.
 """
 
 from __future__ import annotations
