@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from benchmarks.workloads import wait_until
+from benchmarks.workloads import qwen2_config_for_bytes, wait_until
 
 HIDDEN, FFN, HEADS, KV_HEADS = 512, 1536, 8, 2
 
@@ -42,17 +42,7 @@ HIDDEN, FFN, HEADS, KV_HEADS = 512, 1536, 8, 2
 def _config(target_bytes: int) -> dict[str, Any]:
     """Qwen2 config kwargs whose float32 state dict is about `target_bytes`."""
     vocab = 8192 if target_bytes >= 128 << 20 else 2048
-    per_layer = 4 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV_HEADS // HEADS + 3 * HIDDEN * FFN)
-    layers = max(1, round((target_bytes - 2 * 4 * vocab * HIDDEN) / per_layer))
-    return dict(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        tie_word_embeddings=False,
-    )
+    return qwen2_config_for_bytes(target_bytes, 4, vocab, (HIDDEN, FFN, HEADS, KV_HEADS))
 
 
 def _payload(cfg: dict[str, Any]) -> dict[str, np.ndarray]:

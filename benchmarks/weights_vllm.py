@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.workloads import qwen2_config_for_bytes
+
 # Layers as wide as Qwen3-0.6B's (hidden 1024, FFN 3072, 16 heads, 8 KV heads): vLLM's reload costs some
 # Python per layer, so narrower layers of the same bytes would weigh that fixed part, not the bytes moved.
 HIDDEN, FFN, HEADS, KV_HEADS = 1024, 3072, 16, 8
@@ -36,19 +38,8 @@ HIDDEN, FFN, HEADS, KV_HEADS = 1024, 3072, 16, 8
 
 def _config(target_bytes: int) -> dict[str, Any]:
     """Qwen2 config kwargs whose bfloat16 state dict is about `target_bytes`."""
-    vocab = 8192
-    per_layer = 2 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV_HEADS // HEADS + 3 * HIDDEN * FFN)
-    layers = max(1, round((target_bytes - 2 * 2 * vocab * HIDDEN) / per_layer))
-    return dict(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    )
+    shape = (HIDDEN, FFN, HEADS, KV_HEADS)
+    return {**qwen2_config_for_bytes(target_bytes, 2, 8192, shape), "max_position_embeddings": 512}
 
 
 def _checkpoint(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -71,3 +71,24 @@ def wait_until(pred: Any, what: str, timeout_s: float = 300) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not within {timeout_s} s")
         time.sleep(0.005)
+
+
+def qwen2_config_for_bytes(
+    target_bytes: int, value_bytes: int, vocab: int, shape: tuple[int, int, int, int]
+) -> dict[str, Any]:
+    """Qwen2 config kwargs whose state dict (`value_bytes` per value, untied embeddings) is about
+    `target_bytes`; shape = (hidden, ffn, heads, kv_heads), the layer count makes up the size."""
+    hidden, ffn, heads, kv_heads = shape
+    per_layer = value_bytes * (
+        2 * hidden * hidden + 2 * hidden * hidden * kv_heads // heads + 3 * hidden * ffn
+    )
+    layers = max(1, round((target_bytes - 2 * value_bytes * vocab * hidden) / per_layer))
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=False,
+    )

@@ -16,13 +16,14 @@ weights over `layout`'s tokens (None: none).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from configs.algo import AlgoConfig
-from learner.baselines import grpo_advantages, grpo_loss, gspo_loss, treepo_advantages, treepo_loss
+from learner.baselines import grpo_advantages, gspo_loss, ppo_clip_loss, treepo_advantages
 from learner.losses import treeopsd_loss
 from learner.packing import PackedBatch
 from system.microbatch import loss_token_counts, path_token_counts
@@ -42,6 +43,21 @@ Tensor = torch.Tensor
 Layout = tuple[Tensor, Tensor, Tensor | None]
 Weights = Tensor | None
 Result = tuple[Tensor, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class PathTokens:
+    """What a path loss reads of one micro-batch: the (token copy, path) pairs' log-probs under θ and the
+    reference, the per-path advantages, which pairs are in the loss, each pair's path, the correction's
+    weights (None: none) and Z."""
+
+    lp: Tensor
+    old: Tensor
+    adv: Tensor
+    on: Tensor
+    unit: Tensor
+    c: Weights
+    z: float
 
 
 def owned_turns(packed: PackedBatch) -> Layout:
@@ -145,40 +161,33 @@ class _PathMethod:
         assert index is not None
         lp, old = logp.flatten()[index], ref.flatten()[index]
         adv = targets.at_leaves(packed).to(lp.device)
-        loss, st = self.clipped(algo, lp, old, adv, on, unit, c, targets.z)
+        loss, st = self.clipped(algo, PathTokens(lp, old, adv, on, unit, c, targets.z))
         out = {k: st[k] for k in ("clip_frac", "dual_clip_frac") if k in st}
         return loss, {**out, "clip_n": st.get("num_seqs", st.get("num_tokens", 0.0))}
 
-    def clipped(
-        self,
-        algo: AlgoConfig,
-        lp: Tensor,
-        old: Tensor,
-        adv: Tensor,
-        on: Tensor,
-        unit: Tensor,
-        c: Weights,
-        z: float,
-    ) -> Result:
+    def clip_range(self, algo: AlgoConfig) -> tuple[float, float]:
         raise NotImplementedError
+
+    def clipped(self, algo: AlgoConfig, t: PathTokens) -> Result:
+        """Token-level PPO-clip over every path copy (GRPO, TreePO), with the dual clip when asked."""
+        clip_c = algo.dual_clip_c if algo.dual_clip else None
+        return ppo_clip_loss(
+            t.lp,
+            t.old,
+            t.adv[t.unit],
+            t.on,
+            *self.clip_range(algo),
+            z_total=t.z,
+            clip_c=clip_c,
+            is_weights=t.c,
+        )
 
 
 class GRPO(_PathMethod):
     name = "grpo"
 
-    def clipped(
-        self,
-        algo: AlgoConfig,
-        lp: Tensor,
-        old: Tensor,
-        adv: Tensor,
-        on: Tensor,
-        unit: Tensor,
-        c: Weights,
-        z: float,
-    ) -> Result:
-        clip_c = algo.dual_clip_c if algo.dual_clip else None
-        return grpo_loss(lp, old, adv[unit], on, *algo.grpo_clip, z_total=z, clip_c=clip_c, is_weights=c)
+    def clip_range(self, algo: AlgoConfig) -> tuple[float, float]:
+        return algo.grpo_clip
 
 
 class GSPO(_PathMethod):
@@ -189,19 +198,10 @@ class GSPO(_PathMethod):
     def normalizer(self, trees: Sequence[RolloutTree], turn_weights: Sequence[np.ndarray] | None) -> float:
         return float(sum(int((p > 0).sum()) for p in path_counts(trees)))
 
-    def clipped(
-        self,
-        algo: AlgoConfig,
-        lp: Tensor,
-        old: Tensor,
-        adv: Tensor,
-        on: Tensor,
-        unit: Tensor,
-        c: Weights,
-        z: float,
-    ) -> Result:
-        seq = torch.where(on, unit, -1)
-        return gspo_loss(lp, old, adv, seq, *algo.gspo_clip, z_total=z, is_weights=c)
+    def clipped(self, algo: AlgoConfig, t: PathTokens) -> Result:
+        """Sequence-level ratio per path (its advantage is per sequence, not per token)."""
+        seq = torch.where(t.on, t.unit, -1)
+        return gspo_loss(t.lp, t.old, t.adv, seq, *algo.gspo_clip, z_total=t.z, is_weights=t.c)
 
 
 class TreePO(_PathMethod):
@@ -217,19 +217,8 @@ class TreePO(_PathMethod):
         raw = [treepo_advantages(t.turn_parents(), t.leaf_rewards())[1] for t in trees]
         return whiten_by_counts(raw, path_counts(trees))
 
-    def clipped(
-        self,
-        algo: AlgoConfig,
-        lp: Tensor,
-        old: Tensor,
-        adv: Tensor,
-        on: Tensor,
-        unit: Tensor,
-        c: Weights,
-        z: float,
-    ) -> Result:
-        clip_c = algo.dual_clip_c if algo.dual_clip else None
-        return treepo_loss(lp, old, adv[unit], on, *algo.treepo_clip, z_total=z, clip_c=clip_c, is_weights=c)
+    def clip_range(self, algo: AlgoConfig) -> tuple[float, float]:
+        return algo.treepo_clip
 
 
 Method = TreeOPSD | GRPO | GSPO | TreePO
