@@ -5,7 +5,7 @@
     except Exception as exc:
         raise explain(exc, cfg, model_path, log_path) from exc    # a SamplerFailure
 
-The driver (launch/ray_run.py) gets it back from the failed call (`from_ray_error`): a failure the
+The driver (runtime/driver.py) gets it back from the failed call (`from_ray_error`): a failure the
 configuration causes ends the run at once (a SamplerConfigFailure is a ConfigError, so `treeopsd train`
 prints it as one line and exits 2), any other is logged and named when restarts are exhausted, instead of
 timing out with "no healthy sampler; see the Ray logs". The key is found from the exception chain: a chat

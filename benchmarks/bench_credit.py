@@ -6,7 +6,7 @@
 On the synthetic KB the environment knows which turns moved the question forward
 (`actors/envs/progress.py`: a search that finds the next gold fact of the chain, a right answer). This
 benchmark samples real rollout trees with the project's sampler (HF backend, the warm-started tiny model of
-`launch.model_setup.resolve_model`), labels every turn, computes each method's per-turn signal on the
+`runtime.model_setup.resolve_model`), labels every turn, computes each method's per-turn signal on the
 *same* trees, and reports how well each signal ranks progress turns above the others: the Mann–Whitney AUC
 (ties half) with a 95% paired bootstrap interval over trees (`system/credit_quality.py`).
 
@@ -234,7 +234,7 @@ def _stderr(line: str) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from configs.schema import load_config
-    from launch.model_setup import build_policy, resolve_model
+    from runtime.model_setup import build_policy, resolve_model
 
     t0 = time.perf_counter()
     quick = bool(getattr(args, "quick", False))

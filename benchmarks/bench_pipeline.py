@@ -41,7 +41,7 @@ def _config(run_dir: Path, mode: str, quick: bool) -> Any:
 def _timed_run(cfg: Any, model_dir: str, steps: int) -> dict[str, float]:
     import ray
 
-    from launch.ray_run import Driver, start_topology, stop_topology
+    from runtime.driver import Driver, start_topology, stop_topology
     from storage.metrics import MemorySink
 
     topo = start_topology(cfg, model_dir)
@@ -76,7 +76,7 @@ def _tiny_model(root: Path) -> str:
 def run(args: Any) -> dict[str, Any]:
     import ray
 
-    from launch.ray_run import init_ray
+    from runtime.driver import init_ray
 
     quick = bool(getattr(args, "quick", False))
     steps = 3 if quick else 6

@@ -25,7 +25,7 @@
    `async_over_lockstep` (trees/s of the async loop over the lockstep loop on a long-tailed workload, goal
    >= 1.3). Items 1-3 run the lockstep loop (`sampler.loop=lockstep`): they replay `backend.sample` calls.
 
-Model: a finished warm-start in launch/model_setup.py's cache if there is one, else a tiny model built here
+Model: a finished warm-start in runtime/model_setup.py's cache if there is one, else a tiny model built here
 from the synthetic KB's tokenizer texts and given a short SFT on oracle trajectories (QUICK_SFT_STEPS):
 a random-init model never emits a stop token or a tool call, so its episodes end after one turn and its
 trees have no branches to measure.
@@ -83,7 +83,7 @@ def _kinds(requests: list[Any]) -> list[str]:
 
 def _model(cfg: Any, tmp: str, env: Any) -> tuple[str, str]:
     """(model folder, how it was obtained): the cached warm-start, else a tiny model with a short SFT."""
-    from launch.model_setup import cached_tiny_model
+    from runtime.model_setup import cached_tiny_model
 
     cached = cached_tiny_model(cfg)
     if cached is not None:
@@ -144,7 +144,7 @@ def _hf_prefix(cfg: Any, model: str, calls: list[tuple[Any, Any]]) -> list[tuple
     starts, whose anchor context is a prefix of the trunk context the HF cache already holds."""
     from dataclasses import replace
 
-    from launch.model_setup import build_policy
+    from runtime.model_setup import build_policy
 
     hf = build_policy(_with(cfg, "sampler.backend=hf"), model, seed=cfg.run.seed)
     try:
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from actors.sampler_setup import build_env
     from benchmarks import sampler_loops
     from configs.schema import load_config
-    from launch.model_setup import build_policy
+    from runtime.model_setup import build_policy
 
     quick = bool(getattr(args, "quick", False))
     prompts, chunk, repeats = (4, 4, 2) if quick else (16, 8, 2)
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _fresh(cfg: Any, model: str, rec: RecordingBackend, eos: int, n0: int) -> None:
     """Puts `rec` in front of a backend in the state the sampler phase started from."""
-    from launch.model_setup import build_policy
+    from runtime.model_setup import build_policy
 
     if cfg.sampler.backend == "vllm":
         _rewind_vllm(rec.inner, n0)

@@ -174,7 +174,7 @@ async def _replay_vllm(backend: Any, turns: list[tuple[Any, Any]]) -> tuple[floa
 
 def _replay_batches(cfg: Any, model: str, calls: list[Any]) -> tuple[float, int]:
     """HF: the recorded `sample` batches on a fresh backend with the same seed."""
-    from launch.model_setup import build_policy
+    from runtime.model_setup import build_policy
 
     hf = build_policy(cfg, model, seed=cfg.run.seed)
     try:

@@ -58,12 +58,12 @@ class RunConfig(_Section):
     steps: PosInt = 20
     time_limit_s: Annotated[NonNegFloat, Field(description="0: no limit")] = 0.0
     eval_tasks: PosInt = 120
-    # self-healing (launch/supervision.py): a dead or failed learner (any rank) is restarted inside the run
+    # self-healing (runtime/supervision.py): a dead or failed learner (any rank) is restarted inside the run
     # from its newest checkpoint at most this many times; 0: the run stops and waits for --resume
     max_learner_restarts: NonNegInt = 3
     max_store_restarts: NonNegInt = 3  # the store actor, restarted by Ray: it reopens from disk
     max_backup_restarts: NonNegInt = 10  # the backup actor is stateless: its leased trees come back
-    # in-process runs only (launch/local_run.py; the staleness table): samplers get the learner's weights this
+    # in-process runs only (runtime/local.py; the staleness table): samplers get the learner's weights this
     # many versions late, a controlled lag; `treeopsd train` (Ray) refuses it above 0
     sampler_lag: NonNegInt = 0
 

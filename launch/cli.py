@@ -104,7 +104,7 @@ def _write_summary(results: dict, out: str) -> None:
     from pathlib import Path
 
     from benchmarks.summary import render
-    from launch import provenance
+    from experiments import provenance
     from storage.durable import write_atomic
 
     where = (

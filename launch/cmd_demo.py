@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
     from launch.cmd_train import evaluate_split, prepare_run_dir, train
-    from launch.model_setup import ModelPathError, resolve_model
+    from runtime.model_setup import ModelPathError, resolve_model
 
     started = time.perf_counter()
     extra = list(args.overrides)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 def demo_report(before: dict, after: dict, summary: dict, run_dir: Path) -> dict:
     """demo.json: both evaluations, their paired difference, the training reward curve, where things are."""
-    from launch.evaluation import paired_difference
+    from experiments.evaluation import paired_difference
 
     gain, se, n = paired_difference(before.pop("task_rewards"), after.pop("task_rewards"))
     return {

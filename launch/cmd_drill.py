@@ -4,7 +4,7 @@ the store and the learner each SIGKILLed once at random moments, and then the ru
     treeopsd drill --steps 300 --run-dir runs/drill [--seed 0] [--config X.yaml] [k=v ...]
 
 Nothing is done for the run by hand: the child trains with its configured restart budgets and must reach step
-N by itself and exit 0. The kill steps are drawn with `--seed` (launch/drill.py:kill_plan); each kill waits
+N by itself and exit 0. The kill steps are drawn with `--seed` (faults/drill.py:kill_plan); each kill waits
 until the store has handed out that many batches, then a further random 0–1 s, so it lands anywhere inside a
 step. Afterwards: `treeopsd store verify` on the store; the learner's lineage of trained batches from its
 metrics (`learner/batch_index` per step in tensorboard, a re-logged step undoing the later ones); the store's
@@ -44,7 +44,7 @@ def _cli(*args: str) -> list[str]:
 
 
 def _batches_handed_out(store_dir: Path) -> int:
-    from launch.drill import live_batches
+    from faults.drill import live_batches
     from storage.store_files import LogError
 
     try:
@@ -72,7 +72,7 @@ class _Child:
     def kill_at(self, step: int, role: str, store_dir: Path, rng: random.Random) -> int | None:
         """Once `step` batches are handed out, and a random 0-1 s more: SIGKILLs one process of `role` (when
         it is down, restarting, once it is back); its pid, or None when the child ended first."""
-        from launch.soak import kill_role
+        from faults.soak import kill_role
 
         if not self.wait_until(lambda: _batches_handed_out(store_dir) >= step):
             return None
@@ -111,7 +111,7 @@ def run_with_kills(args: argparse.Namespace, plan: list[tuple[int, str]]) -> tup
 
 
 def audit(args: argparse.Namespace, returncode: int, plan: list[Any], kills: list[Any]) -> dict[str, Any]:
-    from launch.drill import drill_verdict, lineage, live_batches, read_batch_index_events
+    from faults.drill import drill_verdict, lineage, live_batches, read_batch_index_events
 
     run_dir = Path(args.run_dir)
     verify = subprocess.run(
@@ -139,7 +139,7 @@ def audit(args: argparse.Namespace, returncode: int, plan: list[Any], kills: lis
 
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
-    from launch.drill import ROLES, kill_plan
+    from faults.drill import ROLES, kill_plan
     from storage.durable import write_atomic
 
     if os.environ.get("RAY_ADDRESS"):

@@ -1,5 +1,5 @@
 """`treeopsd eval`: greedy success / EM / F1 of a model (with --samples K also sampled pass@1 and pass@K),
-per dataset (and per hop count on the synthetic KB). The evaluation itself is launch/evaluation.py.
+per dataset (and per hop count on the synthetic KB). The evaluation itself is experiments/evaluation.py.
 
     treeopsd eval --model runs/models/tiny-XXXX                     # the config's eval split (synthetic KB)
     treeopsd eval --model M --data hotpot_dev.json --data musique.jsonl env.name=multihop_qa --limit 200
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments.evaluation import evaluate, take
+from experiments.retrieval_recall import attach_qrels
 from launch.cli import positive_int
-from launch.evaluation import evaluate, take
-from launch.retrieval_recall import attach_qrels
 
 
 class EvalDataError(ValueError):
@@ -137,8 +137,8 @@ def _qrels(path: str) -> dict[str, dict[str, int]]:
 # ---- the command ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
-    from launch.model_setup import ModelPathError
-    from launch.retrieval_actor import local_retrieval
+    from runtime.model_setup import ModelPathError
+    from runtime.retrieval_actor import local_retrieval
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace, cfg: Any) -> int:
-    from launch.model_setup import build_policy, check_model_path, models_dir_of, resolve_model
+    from runtime.model_setup import build_policy, check_model_path, models_dir_of, resolve_model
 
     model = check_model_path(args.model, "--model", models_dir_of(cfg)) if args.model else None
     sets = [(name, env, take(tasks, args.limit)) for name, env, tasks in eval_sets(cfg, args.data or [])]

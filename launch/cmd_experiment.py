@@ -5,7 +5,7 @@
     treeopsd experiment SPEC --dry-run                      # the plan: runs, rows sharing them, costs
 
 Phases: warm-start the tiny model once per seed (cached) → every distinct (config, seed) run, `--jobs` at
-a time, each in a fresh process (`python -m launch.experiment_run`: JSON in and out, its log beside its
+a time, each in a fresh process (`python -m experiments.run`: JSON in and out, its log beside its
 result) → the table and curves. Runs live in `--runs-dir` (default runs/experiments/<name>[-quick]/<key>/);
 a run with a result.json is not run again, so an interrupted grid resumes. Writes into `--out` (default
 benchmarks/results/): <name>[_quick].md (table + provenance), <name>[_quick].json (every run's numbers) and
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launch.experiment import ExperimentSpecError, load_spec, plan
+    from experiments.grid import ExperimentSpecError, load_spec, plan
 
     try:
         spec = load_spec(args.spec, args.quick)
@@ -70,12 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _child(args: list[str], log: Path) -> str:
-    """Runs `python -m launch.experiment_run ARGS` (JSON on the command line and in files, never pickle);
+    """Runs `python -m experiments.run ARGS` (JSON on the command line and in files, never pickle);
     its stderr goes to `log`; returns its stdout. A crash or non-zero exit raises naming the log."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as err:
         proc = subprocess.run(
-            [sys.executable, "-m", "launch.experiment_run", *args],
+            [sys.executable, "-m", "experiments.run", *args],
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -156,7 +156,7 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
 def _history(runs_dir: Path, prov: dict[str, Any], executed: int) -> list[dict[str, Any]]:
     """runs_dir/history.json: every invocation that ran something (commit, date, runs, wall time), so a
     table rendered later from cached runs still says which code produced them."""
-    from launch.provenance import write_json
+    from experiments.provenance import write_json
 
     path = runs_dir / "history.json"
     history = json.loads(path.read_text()) if path.is_file() else []
@@ -169,7 +169,7 @@ def _history(runs_dir: Path, prov: dict[str, Any], executed: int) -> list[dict[s
 
 
 def _provenance(jobs: int) -> dict[str, Any]:
-    from launch import provenance
+    from experiments import provenance
 
     return {
         "commit": provenance.commit(),
@@ -187,9 +187,9 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"{h['jobs']} at a time)"
         for h in prov["executed_by"]
     )
-    from launch.experiment import Spec
-    from launch.experiment_plot import plot_curves
-    from launch.experiment_report import (
+    from experiments.grid import Spec
+    from experiments.plot import plot_curves
+    from experiments.report import (
         best_per_group,
         check_claims,
         render_best,
@@ -215,7 +215,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
     claims = check_claims(spec, results)
     body = render_table(spec, summary)
     if claims:
-        where = "launch/experiment_report.py `check_claims`"
+        where = "experiments/report.py `check_claims`"
         body += f"\n\n{spec.claims_title}, checked per seed (verdicts: {where}):\n\n"
         paper = spec.claims_title == Spec.claims_title
         body += render_claims(claims, "the paper's ordering" if paper else "ordering")

@@ -4,7 +4,7 @@
     treeopsd eval --model runs/models/smollm2 ...                                   # then as any HF folder
 
 Needs the `gguf` extra (`pip install -e '.[gguf]'`: the gguf and accelerate packages). The conversion is
-launch/model_import.py; `--model X.gguf` / `model.path=X.gguf` elsewhere run it once into runs/models/.
+runtime/model_import.py; `--model X.gguf` / `model.path=X.gguf` elsewhere run it once into runs/models/.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launch.model_import import ModelImportError, import_gguf
+    from runtime.model_import import ModelImportError, import_gguf
 
     try:
         report = import_gguf(args.file, args.out, args.dtype)

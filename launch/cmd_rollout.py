@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"treeopsd rollout: {e}", file=sys.stderr)
         return 2
-    from launch.model_setup import ModelPathError, resolve_model
+    from runtime.model_setup import ModelPathError, resolve_model
     from storage.replay_store import ReplayStore, StoreError
 
     store_dir = args.store or cfg.store_dir
@@ -67,7 +67,7 @@ def sample_into(cfg: Any, model: str, store: Any, prompts: int, samplers: int, c
 
     from actors.sampler_setup import build_sampler, sampler_seed
     from actors.tree_sampler import TreeSampler
-    from launch.model_setup import build_policy
+    from runtime.model_setup import build_policy
 
     incarnation = len(store.tree_ids())  # grows with every run: fresh tree ids and seeds each time
     workers: list[TreeSampler] = []

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def request_scale(run_dir: str | os.PathLike, samplers: int) -> dict:
-    from launch.leftovers import driver_alive
+    from runtime.leftovers import driver_alive
 
     run = Path(run_dir)
     if not (run / "config.yaml").exists():
@@ -32,7 +32,7 @@ def request_scale(run_dir: str | os.PathLike, samplers: int) -> dict:
     if driver_alive(run) is False:  # None: no record (a cluster run), the control file is the only way
         raise ValueError(f"{run} is not running (its driver has exited); nothing would read the request")
 
-    from launch.ray_run import CONTROL_FILE, read_control  # Ray is imported only for a valid request
+    from runtime.driver import CONTROL_FILE, read_control  # Ray is imported only for a valid request
 
     control = {"samplers": samplers, "seq": int((read_control(run) or {}).get("seq", 0)) + 1}
     write_atomic(run / CONTROL_FILE, json.dumps(control).encode(), unique=True)  # never read half-written

@@ -4,7 +4,7 @@
 
 Trains on the given config (default: the embedded default) for `--minutes` on local Ray, and every `--every`
 seconds SIGKILLs one process of a random role — a sampler, the backup, the store, the learner (any rank) —
-picked with `--seed` (launch/soak.py). The restart budgets are lifted for the soak (the kills are on
+picked with `--seed` (faults/soak.py). The restart budgets are lifted for the soak (the kills are on
 purpose). At the end the run stops as on Ctrl-C (the learner's step in flight ends, a final checkpoint),
 and the report — printed as one JSON object and written to RUN_DIR/soak.json — gives, from the store's own
 files and the driver's batch events: trees committed, lost, duplicated, half-visible; batches trained twice
@@ -59,9 +59,9 @@ def soak(cfg: Any, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """The run under kills; returns what the report is computed from."""
     import ray
 
-    from launch.ray_run import Driver, init_ray, start_topology, stop_topology
-    from launch.signals import GracefulStop, finish_step
-    from launch.soak import Killer, MemoryWatch
+    from faults.soak import Killer, MemoryWatch
+    from runtime.driver import Driver, init_ray, start_topology, stop_topology
+    from runtime.signals import GracefulStop, finish_step
     from storage.tracking import run_sink
 
     init_ray(cfg)
@@ -91,7 +91,7 @@ def soak(cfg: Any, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
 def sampler_restarts(topo: Any) -> int:
     """Ray's count (GCS) over the samplers now managed, or the manager's when Ray does not say; the manager
     sees only the restarts of samplers it had marked unhealthy (one killed between two calls is not)."""
-    from launch.supervision import gcs_restarts
+    from runtime.supervision import gcs_restarts
 
     ids = [r.get() for r in topo.manager.foreach_actor("actor_id", timeout_seconds=30) if r.ok]
     counts = [gcs_restarts(i) for i in ids]
@@ -100,8 +100,8 @@ def sampler_restarts(topo: Any) -> int:
 
 
 def report(cfg: Any, got: dict[str, Any], minutes: float) -> dict[str, Any]:
-    from launch.restart_policy import batch_audit
-    from launch.soak import audit_store
+    from faults.soak import audit_store
+    from runtime.restart_policy import batch_audit
 
     summary, steps = got["summary"], got["summary"]["steps"]
     store, batches = audit_store(cfg.store_dir), batch_audit(got["events"], steps)
@@ -137,7 +137,7 @@ def report(cfg: Any, got: dict[str, Any], minutes: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError
     from launch.cmd_train import prepare_run_dir
-    from launch.model_setup import ModelPathError, resolve_model
+    from runtime.model_setup import ModelPathError, resolve_model
     from storage.durable import write_atomic
 
     if os.environ.get("RAY_ADDRESS"):

@@ -99,21 +99,21 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
     import ray
     from tqdm.auto import tqdm
 
-    from launch.leftovers import reap_dead_run, record_local_ray
-    from launch.ray_run import Driver, init_ray, start_topology, stop_topology
-    from launch.signals import Abort, GracefulStop, finish_step
+    from runtime.driver import Driver, init_ray, start_topology, stop_topology
+    from runtime.leftovers import reap_dead_run, record_local_ray
+    from runtime.signals import Abort, GracefulStop, finish_step
     from storage.durable import write_atomic
     from storage.tracking import run_sink
 
     run_dir = Path(cfg.run.run_dir)
-    reap_dead_run(run_dir)  # what a SIGKILLed driver of this run left behind (launch/leftovers.py)
+    reap_dead_run(run_dir)  # what a SIGKILLed driver of this run left behind (runtime/leftovers.py)
     init_ray(cfg)
     sink = run_sink(cfg, run_dir)
     if cfg.logging.tensorboard:
         print(
             f"watch it: tensorboard --logdir {(run_dir / 'tb').resolve()} --host 127.0.0.1", file=sys.stderr
         )
-    with GracefulStop() as stop:  # after init_ray: replaces Ray's SIGTERM handler (launch/signals.py)
+    with GracefulStop() as stop:  # after init_ray: replaces Ray's SIGTERM handler (runtime/signals.py)
         topo = start_topology(cfg, model_path, resume)
         record_local_ray(run_dir)
         try:
@@ -144,7 +144,7 @@ def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True
 
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError
-    from launch.model_setup import ModelPathError, resolve_model
+    from runtime.model_setup import ModelPathError, resolve_model
     from storage.tracking import check_trackers
 
     try:
@@ -161,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prepare_run_dir(cfg, args.resume)
     before = evaluate_split(cfg, model_path) if args.eval else None
-    from launch.learner_group import LearnerRankError
-    from launch.restart_policy import RoleFailed, resume_command
-    from launch.signals import Abort
+    from runtime.learner_group import LearnerRankError
+    from runtime.restart_policy import RoleFailed, resume_command
+    from runtime.signals import Abort
 
     again = resume_command(sys.argv[1:], cfg.run.run_dir)
     try:
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     except (LearnerRankError, RoleFailed) as e:  # restarts used up: the run stops, --resume continues it
         print(f"treeopsd train: {e}\ncontinue from the last checkpoint with: {again}", file=sys.stderr)
         return 1
-    except Abort as e:  # a second SIGINT/SIGTERM: 128 + the signal number (launch/signals.py)
+    except Abort as e:  # a second SIGINT/SIGTERM: 128 + the signal number (runtime/signals.py)
         print(f"treeopsd train: {e}\ncontinue from the last checkpoint with: {again}", file=sys.stderr)
         return e.exit_code
     if summary.get("stopped_by"):  # a first SIGINT/SIGTERM: stopped cleanly, exit 0
@@ -194,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
 
 def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
     from actors.sampler_setup import build_env, load_split
-    from launch.evaluation import evaluate, take
-    from launch.retrieval_actor import local_retrieval
+    from experiments.evaluation import evaluate, take
+    from runtime.retrieval_actor import local_retrieval
 
     with local_retrieval(cfg) as cfg:  # the run's own service lives only inside `train`
         env = build_env(cfg)

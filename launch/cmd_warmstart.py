@@ -40,7 +40,7 @@ def _success_before(cfg: Any, tasks: list[Any], env: Any) -> dict[str, Any]:
     """Greedy success of the untrained model: the warm-start's own init (same tokenizer texts and seed)."""
     from actors.envs.synthetic_kb import SyntheticKBEnv, tokenizer_texts
     from actors.policy.tiny_model import save_tiny
-    from launch.evaluation import evaluate
+    from experiments.evaluation import evaluate
 
     # The warm-start trains its tokenizer on the default KB env; reuse ours when it is that one.
     kb_env = env if (cfg.env.seed, cfg.env.topk) == (0, 2) else SyntheticKBEnv()
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.model.path:  # a pretrained model: SFT it on env.protocol instead of building the tiny one
         return _warmstart_model(args, cfg)
     from actors.sampler_setup import build_env, load_split
-    from launch.evaluation import evaluate, take
-    from launch.model_setup import warm_start_tiny
+    from experiments.evaluation import evaluate, take
+    from runtime.model_setup import warm_start_tiny
 
     if cfg.env.name != "synthetic_kb":
         print("treeopsd warmstart: evaluating on the synthetic KB (what it trains on)", file=sys.stderr)
@@ -96,7 +96,7 @@ def _warmstart_model(args: argparse.Namespace, cfg: Any) -> int:
     from pathlib import Path
 
     from actors.policy.protocol_sft import protocol_warmstart
-    from launch.model_setup import ModelPathError, check_model_path, models_dir_of
+    from runtime.model_setup import ModelPathError, check_model_path, models_dir_of
 
     try:
         model = check_model_path(cfg.model.path, models_dir=models_dir_of(cfg))

@@ -160,7 +160,7 @@ class Learner:
 
     def last_step_metrics(self) -> dict[str, float] | None:
         """The newest trained step's metrics (None before the first): what the driver logs for a step whose
-        call failed after the step was applied (launch/supervision.py). A restored learner has those of its
+        call failed after the step was applied (runtime/supervision.py). A restored learner has those of its
         checkpoint's step: a learner killed after saving step k, before its call returned, is restarted
         from step k, and step k is logged from there (else its batch would be trained but never logged)."""
         return self.last_metrics

@@ -1,5 +1,5 @@
 """Ray shell of one rank of the sharded learner (learner.ranks > 1): `ShardedLearner` built from the config
-after joining the learner's process group; launch/learner_group.py starts R of them in a placement group.
+after joining the learner's process group; runtime/learner_group.py starts R of them in a placement group.
 
 Rank 0 is the learner as the rest of the system sees it: it alone holds the store client and the ZeroMQ
 weight publisher, takes each batch and publishes each version. Every rank runs every call of the step

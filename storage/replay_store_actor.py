@@ -34,7 +34,7 @@ class StoreActor(ReplayStore):
         return os.getpid()
 
     def actor_id(self) -> str:
-        """This actor's id (hex), for Ray's public state API (launch/supervision.py:gcs_restarts)."""
+        """This actor's id (hex), for Ray's public state API (runtime/supervision.py:gcs_restarts)."""
         return str(ray.get_runtime_context().get_actor_id())
 
 
@@ -45,7 +45,7 @@ def start_store_actor(
 
     With `max_restarts` Ray restarts a dead store in place: the constructor reopens the directory (torn files
     quarantined, leases and reservations, which live in memory, handed back) and every client keeps its
-    handle; a call in flight at the death fails (launch/supervision.py). With `run_dir` the store logs to
+    handle; a call in flight at the death fails (runtime/supervision.py). With `run_dir` the store logs to
     RUN_DIR/logs/store-0.log (storage/role_log.py; a restart appends)."""
     role = StoreActor if run_dir is None else with_role_log(StoreActor, run_dir, "store")
     actor = ray.remote(num_cpus=0, max_concurrency=1, max_restarts=max_restarts)(role)

@@ -1,5 +1,5 @@
 """Per-role log files: every actor of a run writes RUN_DIR/logs/<role>-<i>.log, so a failure can be read
-(and is named by the driver, launch/ray_run.py) without digging through Ray's session folders.
+(and is named by the driver, runtime/driver.py) without digging through Ray's session folders.
 
     path = setup_role_log(run_dir, "sampler", 0)     # first thing in an actor's __init__
     ray.remote(with_role_log(BackupWorker, run_dir, "backup"))   # a role class that cannot call it itself

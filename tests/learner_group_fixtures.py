@@ -44,8 +44,8 @@ def store_with(path, trees):
 
 
 def start_group(cfg: Config, model_dir, store, resume=False):
-    from launch.learner_group import start_learner_group
-    from launch.ray_run import role_options
+    from runtime.driver import role_options
+    from runtime.learner_group import start_learner_group
 
     return start_learner_group(cfg, to_dict(cfg), model_dir, store, resume, role_options(cfg, "learner"))
 

@@ -27,7 +27,7 @@ def smollm2_gguf() -> Path | None:
 
 def skip_without_smollm2() -> Path:
     """The GGUF path, or a skip naming what is missing."""
-    from launch.model_import import missing_packages
+    from runtime.model_import import missing_packages
 
     gguf = smollm2_gguf()
     if gguf is None:

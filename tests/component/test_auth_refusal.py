@@ -19,8 +19,8 @@ import zmq
 
 from actors.envs.retrieval_server import RetrievalServer
 from configs.schema import ConfigError, load_config
-from launch import retrieval_actor
 from learner.weight_publisher import WeightPublisher
+from runtime import retrieval_actor
 from tests import weight_fixtures
 from tests.waiting import wait_until
 from tests.weight_fixtures import CHUNK_MB, WAIT_MS, assert_weights, handshake_failures, weights
@@ -132,7 +132,7 @@ def test_the_retrieval_service_off_loopback_refuses_every_request_without_its_to
 
 
 def test_a_run_on_a_cluster_gives_its_retrieval_service_a_token(monkeypatch):
-    """launch/retrieval_actor.py: one node binds loopback (no token needed); more than one binds the node's
+    """runtime/retrieval_actor.py: one node binds loopback (no token needed); more than one binds the node's
     address, always with a token: the configured one, $TREEOPSD_RETRIEVER_TOKEN, or a fresh random one."""
     cfg = load_config()
     monkeypatch.delenv("TREEOPSD_RETRIEVER_TOKEN", raising=False)

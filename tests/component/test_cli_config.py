@@ -31,13 +31,13 @@ def test_train_rejects_a_bad_value_before_anything_starts(tmp_path, override, me
 
 
 def test_train_never_reaches_ray_with_a_bad_config(monkeypatch, tmp_path, capsys):
-    import launch.ray_run
+    import runtime.driver
     from launch.cli import main
 
     def forbidden(*args, **kwargs):
         raise AssertionError("Ray was started for a config that fails validation")
 
-    monkeypatch.setattr(launch.ray_run, "init_ray", forbidden)
-    monkeypatch.setattr(launch.ray_run, "start_topology", forbidden)
+    monkeypatch.setattr(runtime.driver, "init_ray", forbidden)
+    monkeypatch.setattr(runtime.driver, "start_topology", forbidden)
     assert main(["train", "--run-dir", str(tmp_path / "r"), "learner.epochs=0"]) == 2
     assert "learner.epochs = 0 is invalid: expected an integer >= 1" in capsys.readouterr().err

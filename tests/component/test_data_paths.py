@@ -13,9 +13,9 @@ import pytest
 from actors.agent_loop import Episode
 from actors.envs import load_tasks, make_env
 from actors.envs.tool_calls import ToolCall
+from experiments.retrieval_recall import attach_qrels, episode_recall, gold_ids
 from launch.cli import main
-from launch.model_setup import ModelPathError, check_model_path
-from launch.retrieval_recall import attach_qrels, episode_recall, gold_ids
+from runtime.model_setup import ModelPathError, check_model_path
 
 ACCEPTED = "a Hugging Face causal-LM folder (config.json, *.safetensors, a tokenizer) or a .gguf file"
 
@@ -101,9 +101,9 @@ def test_model_paths_that_are_not_models(tmp_path):
 
 
 def test_gguf_without_its_packages_names_the_extra(tmp_path, monkeypatch):
-    import launch.model_import
+    import runtime.model_import
 
-    monkeypatch.setattr(launch.model_import, "missing_packages", lambda: ["gguf"])
+    monkeypatch.setattr(runtime.model_import, "missing_packages", lambda: ["gguf"])
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelPathError, match=r"m\.gguf.*needs gguf: pip install -e '\.\[gguf\]'"):
         check_model_path(tmp_path / "m.gguf", "model.path", tmp_path / "models")

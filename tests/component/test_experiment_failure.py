@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from experiments.grid import load_spec, plan
 from launch.cli import main
-from launch.experiment import load_spec, plan
 from tests.component.test_experiment_run import tiny_spec
 
 STORE_REFUSAL = "not a treeopsd replay store (no treeopsd-store.json); refusing a non-empty directory"

@@ -8,8 +8,8 @@ import json
 import pytest
 import yaml
 
+from experiments.report import verdict
 from launch.cli import main
-from launch.experiment_report import verdict
 
 
 def tiny_spec(tiny_model_dir: str) -> dict:

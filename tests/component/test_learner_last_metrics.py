@@ -1,6 +1,6 @@
 """A learner step whose call fails after the step was applied (the store lost while the new version is
 announced) keeps that step's metrics, batch index included: the driver logs them when it re-syncs
-(launch/supervision.py), so the learner's metrics name every trained batch."""
+(runtime/supervision.py), so the learner's metrics name every trained batch."""
 
 import numpy as np
 import pytest

@@ -4,7 +4,7 @@ up each new version between turns (the same objects the Ray topology runs)."""
 import numpy as np
 
 from configs.schema import load_config
-from launch.local_run import build_local_run
+from runtime.local import build_local_run
 from storage.store_verify import verify_store
 
 SMALL = ["learner.batch_trees=2", "learner.minibatches=2", "sampler.num_samplers=2", "algo.M=2", "algo.N=1"]

@@ -1,4 +1,4 @@
-"""Evaluation outside a run with `env.retriever = service` and no URL (launch/retrieval_actor.py
+"""Evaluation outside a run with `env.retriever = service` and no URL (runtime/retrieval_actor.py
 `local_retrieval`): the service is started in this process over the run's corpus and stopped after."""
 
 import urllib.error
@@ -8,7 +8,7 @@ import pytest
 
 from actors.sampler_setup import build_env
 from configs.schema import parse_config
-from launch.retrieval_actor import local_retrieval
+from runtime.retrieval_actor import local_retrieval
 
 
 def test_local_retrieval_serves_the_kb_for_the_block_only(tmp_path):

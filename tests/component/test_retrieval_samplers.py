@@ -14,7 +14,7 @@ from actors.envs.search import Bm25Index
 from actors.sampler_setup import build_sampler, load_tokenizer
 from actors.tree_sampler import TreeSampler
 from configs.schema import load_config
-from launch.retrieval_actor import service_corpus
+from runtime.retrieval_actor import service_corpus
 from tests.fakes import ScriptedBackend
 
 

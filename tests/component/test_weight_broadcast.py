@@ -266,7 +266,7 @@ def test_in_memory_twin_has_the_same_contract():
 
 
 def test_a_lagged_reader_gets_the_version_published_lag_steps_ago():
-    # run.sampler_lag (launch/local_run.py): a reader with lag 2 sees version v − 2 once the learner is at v.
+    # run.sampler_lag (runtime/local.py): a reader with lag 2 sees version v − 2 once the learner is at v.
     ch = weight_channel.InMemoryWeightChannel(chunk_mb=CHUNK_MB)
     late = ch.sink(lag=2)
     ch.publish(weights(0), 0)

@@ -8,7 +8,7 @@ def ray_cluster():
     import ray
 
     from configs.schema import load_config
-    from launch.ray_run import init_ray
+    from runtime.driver import init_ray
 
     if ray.is_initialized():
         ray.shutdown()

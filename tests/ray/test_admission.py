@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from launch.ray_run import Driver, _tag, start_topology, stop_topology
+from runtime.driver import Driver, _tag, start_topology, stop_topology
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
 from tests.ray.test_train_e2e import pids, small_cfg, trained_lags

@@ -106,7 +106,7 @@ def test_a_lost_rank_ends_the_step_naming_it_and_resume_trains_every_batch_once(
     ray_cluster, tmp_path, tiny_model_dir
 ):
     ray = ray_cluster
-    from launch.learner_group import LearnerRankError
+    from runtime.learner_group import LearnerRankError
 
     timeout = 10.0
     cfg = group_cfg(tmp_path, collective_timeout_s=timeout)

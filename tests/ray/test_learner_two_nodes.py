@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_two_ranks_on_two_nodes_train_a_step(two_nodes, tmp_path, tiny_model_dir):  # noqa: F811
-    from launch.pools import actor_nodes
+    from runtime.pools import actor_nodes
 
     cfg = group_cfg(tmp_path, cpus=2, collective_timeout_s=120.0)
     ref = reference(tiny_model_dir, cfg)

@@ -3,7 +3,7 @@
 
 import pytest
 
-from launch.ray_run import Driver, start_topology, stop_topology
+from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import TensorboardSink, read_scalars
 from tests.ray.test_train_e2e import small_cfg
 

@@ -14,7 +14,7 @@ import pytest
 from real_model_fixtures import CACHE, smollm2_folder
 
 from configs.schema import load_config
-from launch.ray_run import Driver, start_topology, stop_topology
+from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
 
@@ -88,7 +88,7 @@ def _check_trees(cfg, model_dir, store_dir):
 def _evaluate_both_protocols(cfg, checkpoint, tmp_path):
     from actors.envs import make_env
     from actors.sampler_setup import build_env, load_split
-    from launch.evaluation import evaluate
+    from experiments.evaluation import evaluate
 
     hf = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"backend": "hf"})})
     env = build_env(hf)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from configs.schema import load_config
-from launch.ray_run import Driver, start_topology, stop_topology
+from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 
 pytestmark = pytest.mark.ray

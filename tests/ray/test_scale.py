@@ -7,7 +7,7 @@ from test_train_e2e import small_cfg
 
 from configs.schema import to_dict
 from launch.cmd_scale import request_scale
-from launch.ray_run import Driver, start_topology, stop_topology
+from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
 

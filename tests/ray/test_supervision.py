@@ -1,4 +1,4 @@
-"""A run that heals itself (launch/supervision.py), on local Ray with the tiny model (CPU): SIGKILL of a
+"""A run that heals itself (runtime/supervision.py), on local Ray with the tiny model (CPU): SIGKILL of a
 sampler, the backup actor, the store actor and the learner, each once while the run goes on, and the run
 reaches its step count by itself with every batch trained exactly once; a learner past its restart budget
 stops the run with a message naming it."""
@@ -12,10 +12,10 @@ import time
 import pytest
 
 from configs.schema import load_config
+from faults.soak import audit_store, kill_role
 from launch.cmd_soak import sampler_restarts
-from launch.ray_run import Driver, start_topology, stop_topology
-from launch.restart_policy import RoleFailed, batch_audit
-from launch.soak import audit_store, kill_role
+from runtime.driver import Driver, start_topology, stop_topology
+from runtime.restart_policy import RoleFailed, batch_audit
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
 

@@ -1,4 +1,4 @@
-"""Ctrl-C of `treeopsd train` (launch/signals.py), as a user sees it: the command started as its own process
+"""Ctrl-C of `treeopsd train` (runtime/signals.py), as a user sees it: the command started as its own process
 group on the tiny model, SIGINT to the whole group once the first checkpoint is there (a terminal's Ctrl-C
 reaches every process of the foreground group) → exit 0, the step reached and the resume command printed, a
 checkpoint of that step; `--resume` then trains the remaining batches, each once."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from waiting import wait_until
 
-from launch.soak import audit_store
+from faults.soak import audit_store
 from storage.checkpoint import load_latest
 from storage.metrics import read_scalars
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from configs.schema import load_config
-from launch.ray_run import Driver, start_topology, stop_topology
-from launch.restart_policy import RoleFailed
+from runtime.driver import Driver, start_topology, stop_topology
+from runtime.restart_policy import RoleFailed
 from storage.metrics import MemorySink, TensorboardSink, read_scalars
 from storage.replay_store import ReplayStore
 from storage.store_verify import verify_store

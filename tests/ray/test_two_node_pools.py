@@ -196,7 +196,7 @@ def wait_for_pools(nodes: list[Node], want: set[str], timeout_s: float = 60.0) -
 def two_nodes():
     import ray
 
-    from launch.ray_run import init_ray
+    from runtime.driver import init_ray
 
     was_up = ray.is_initialized()
     if was_up:
@@ -253,8 +253,8 @@ def pool_node(pool: str) -> str:
 @pytest.mark.slow
 def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tmp_path, tiny_model_dir):
 
-    from launch.pools import actor_nodes, check_pools, pool_nodes
-    from launch.ray_run import Driver, start_topology, stop_topology
+    from runtime.driver import Driver, start_topology, stop_topology
+    from runtime.pools import actor_nodes, check_pools, pool_nodes
     from storage.metrics import MemorySink
 
     train, sample = pool_node("train"), pool_node("sample")
@@ -280,7 +280,7 @@ def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tm
 @pytest.mark.ray
 @pytest.mark.slow
 def test_check_pools_rejects_a_pool_no_node_provides(two_nodes, tmp_path):
-    from launch.pools import check_pools
+    from runtime.pools import check_pools
 
     with pytest.raises(ConfigError, match=r"resources\.sampler\.pool = 'missing'.*provided: sample, train"):
         check_pools(pool_cfg(tmp_path, **{"resources.sampler.pool": "missing"}))

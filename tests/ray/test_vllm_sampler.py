@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 from test_train_e2e import small_cfg
 
-from launch.ray_run import Driver, start_topology, stop_topology
+from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
 

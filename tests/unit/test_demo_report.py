@@ -1,4 +1,4 @@
-"""What `treeopsd demo` prints about learning (launch/cmd_demo.py, launch/evaluation.py): the paired
+"""What `treeopsd demo` prints about learning (launch/cmd_demo.py, experiments/evaluation.py): the paired
 difference of held-out success before and after training with its standard error, and the training reward
 in windows of steps."""
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from experiments.evaluation import paired_difference
 from launch.cmd_demo import reward_windows
-from launch.evaluation import paired_difference
 
 
 def test_paired_difference_by_hand():

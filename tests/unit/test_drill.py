@@ -1,9 +1,9 @@
-"""The fire drill's pure parts (launch/drill.py): the kill plan, the learner's lineage of trained batches, and
+"""The fire drill's pure parts (faults/drill.py): the kill plan, the learner's lineage of trained batches, and
 the verdict over what the run's files say."""
 
 import pytest
 
-from launch.drill import ROLES, drill_verdict, kill_plan, lineage
+from faults.drill import ROLES, drill_verdict, kill_plan, lineage
 
 
 def test_kill_plan_kills_each_role_once_at_distinct_steps_inside_the_run():

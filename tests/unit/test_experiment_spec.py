@@ -1,4 +1,4 @@
-"""The experiment grid's spec, plan and statistics (launch/experiment.py, launch/experiment_plot.py)."""
+"""The experiment grid's spec, plan and statistics (experiments/grid.py, experiments/plot.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from launch.experiment import ExperimentSpecError, load_spec, parse_spec, plan, resolved_config
-from launch.experiment_plot import smooth
-from launch.experiment_report import check_claims, mean_se, render_claims, render_table, rows_summary
+from experiments.grid import ExperimentSpecError, load_spec, parse_spec, plan, resolved_config
+from experiments.plot import smooth
+from experiments.report import check_claims, mean_se, render_claims, render_table, rows_summary
 
 
 def _doc(**over):

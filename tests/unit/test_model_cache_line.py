@@ -1,7 +1,7 @@
 """The tiny model's warm-start announces itself before it builds (minutes on 2 cores, with or without a
-progress bar), and says nothing when the cache already holds it (launch/model_setup.py)."""
+progress bar), and says nothing when the cache already holds it (runtime/model_setup.py)."""
 
-import launch.model_setup as setup
+import runtime.model_setup as setup
 from configs.schema import parse_config
 
 

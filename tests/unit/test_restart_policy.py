@@ -1,4 +1,4 @@
-"""The supervisor's decisions (launch/restart_policy.py): budgets, backoff, what to restart, the batch audit,
+"""The supervisor's decisions (runtime/restart_policy.py): budgets, backoff, what to restart, the batch audit,
 the resume command and the memory slope of the soak."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from launch.restart_policy import (
+from runtime.restart_policy import (
     RestartBudget,
     RoleFailed,
     backoff_s,

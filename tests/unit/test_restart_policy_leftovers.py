@@ -1,5 +1,5 @@
 """After a SIGKILL of the driver, the next run in the same directory kills exactly what the dead one left
-(launch/leftovers.py): recorded pids with the same start time, only once the recorded driver is gone."""
+(runtime/leftovers.py): recorded pids with the same start time, only once the recorded driver is gone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch.leftovers import RECORD, reap_dead_run, record_local_ray
+from runtime.leftovers import RECORD, reap_dead_run, record_local_ray
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ DRIVER = """
 import os, subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the pipes close with us
-from launch.leftovers import record_local_ray
+from runtime.leftovers import record_local_ray
 record_local_ray(sys.argv[1])
 print(child.pid, flush=True)
 os._exit(0)

@@ -1,4 +1,4 @@
-"""Graceful interrupts (launch/signals.py): the first SIGINT/SIGTERM only asks for a stop, the second raises
+"""Graceful interrupts (runtime/signals.py): the first SIGINT/SIGTERM only asks for a stop, the second raises
 Abort with the shell's exit code (128 + the signal number); the previous handlers come back afterwards."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from launch.signals import Abort, GracefulStop
+from runtime.signals import Abort, GracefulStop
 
 
 def test_first_signal_asks_for_a_stop_and_the_second_aborts_with_128_plus_its_number():

@@ -1,6 +1,6 @@
 """The run's shared retrieval service: ONE Ray actor that serves the corpus to every sampler.
 
-`launch/ray_run.py:start_topology` calls `start_retrieval_service(cfg, data)` before it starts the samplers:
+`runtime/driver.py:start_topology` calls `start_retrieval_service(cfg, data)` before it starts the samplers:
 when `env.retriever = service` and `env.retriever_url` is unset, the actor loads (or builds once) the index
 and serves it from a thread in its own process, and its URL (and token) go into `data["env"]`, the config
 dict every sampler is built from. `stop_topology` calls `stop_retrieval_service`.

@@ -35,8 +35,8 @@ from typing import Any
 import ray
 
 from configs.schema import Config
-from launch.learner_group import LearnerGroup, LearnerRankError
-from launch.restart_policy import (
+from runtime.learner_group import LearnerGroup, LearnerRankError
+from runtime.restart_policy import (
     RestartBudget,
     RoleFailed,
     backoff_s,
@@ -44,7 +44,7 @@ from launch.restart_policy import (
     failure_kind,
     learner_action,
 )
-from launch.topology import role_options, scale_samplers, start_backup
+from runtime.topology import role_options, scale_samplers, start_backup
 
 log = logging.getLogger("treeopsd.supervision")
 STORE_WAIT_S = 600.0  # a restarted store reopens its directory first: that scans every segment
@@ -84,7 +84,7 @@ def kind_of(e: BaseException) -> str:
 
 
 class Supervisor:
-    """Restart budgets, counts and the batch events of one driver (launch/restart_policy.py)."""
+    """Restart budgets, counts and the batch events of one driver (runtime/restart_policy.py)."""
 
     def __init__(self, cfg: Config, topo: Any) -> None:
         self.cfg, self.topo = cfg, topo
@@ -275,7 +275,7 @@ class Supervisor:
         return self._start_on(data)
 
     def _start_on(self, data: dict[str, Any]) -> tuple[LearnerGroup, tuple[str, Any]]:
-        from launch.learner_group import start_learner_group
+        from runtime.learner_group import start_learner_group
 
         model_path = self.topo.args[1]
         group = start_learner_group(

@@ -9,7 +9,7 @@ from actors.backup_worker import BackupWorker
 
 
 class BackupActor(BackupWorker):
-    """The soak and the tests find it by its process title, `ray::BackupActor` (launch/soak.py)."""
+    """The soak and the tests find it by its process title, `ray::BackupActor` (faults/soak.py)."""
 
     def pid(self) -> int:
         return os.getpid()

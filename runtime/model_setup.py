@@ -32,7 +32,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def check_model_path(path: str | Path, what: str = "model.path", models_dir: str | Path | None = None) -> str:
     """The HF folder to load: `path` itself if it is one, or a .gguf file imported once into
-    `models_dir` (default runs/models; launch/model_import.py). Anything else is a ModelPathError naming
+    `models_dir` (default runs/models; runtime/model_import.py). Anything else is a ModelPathError naming
     `what`, the path and what is accepted."""
     p = Path(path).expanduser()
     where = f"{what} = {str(path)!r}"
@@ -41,7 +41,7 @@ def check_model_path(path: str | Path, what: str = "model.path", models_dir: str
     if p.is_file():
         if p.suffix != ".gguf":
             raise ModelPathError(f"{where} is a file but not a .gguf model; expected {ACCEPTED}")
-        from launch.model_import import ModelImportError, cached_import
+        from runtime.model_import import ModelImportError, cached_import
 
         try:
             return cached_import(p, models_dir or Path("runs/models"))

@@ -1,11 +1,11 @@
-"""Where the roles run and how they start and stop on Ray (launch/ray_run.py's Driver schedules them,
-launch/supervision.py restarts them): the local instance or the cluster, each role's resources, the
+"""Where the roles run and how they start and stop on Ray (runtime/driver.py's Driver schedules them,
+runtime/supervision.py restarts them): the local instance or the cluster, each role's resources, the
 topology's actors, adding and retiring samplers.
 
 The actors are the role classes themselves (`ray.remote` applied here and in the role's own starter):
 `ReplayStore`, `TreeSampler` (via its shell `SamplerActor`), `BackupWorker`, `Learner` (via `LearnerActor`);
 each gets a `RemoteStore` client at construction, so the step sequence they run is the one
-`launch/local_run.py` runs in one process.
+`runtime/local.py` runs in one process.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from ray.rllib.utils.actor_manager import FaultTolerantActorManager
 
 from actors.sampler_actor import SamplerActor
 from configs.schema import Config, to_dict
-from launch.backup_actor import BackupActor
-from launch.learner_group import LearnerGroup, start_learner_group
-from launch.pools import check_pools
-from launch.retrieval_actor import start_retrieval_service, stop_retrieval_service
+from runtime.backup_actor import BackupActor
+from runtime.learner_group import LearnerGroup, start_learner_group
+from runtime.pools import check_pools
+from runtime.retrieval_actor import start_retrieval_service, stop_retrieval_service
 from storage.replay_store_actor import RemoteStore, start_store_actor
 from storage.role_log import with_role_log
 
@@ -85,8 +85,8 @@ class Topology:
     args: tuple
     next_index: int = 0
     refs: dict[str, Any] = field(default_factory=dict)
-    retrieval: Any = None  # the run's shared retrieval service (launch/retrieval_actor.py), if it started one
-    learners: LearnerGroup | None = None  # every learner rank (launch/learner_group.py)
+    retrieval: Any = None  # the shared retrieval service (runtime/retrieval_actor.py), if the run started one
+    learners: LearnerGroup | None = None  # every learner rank (runtime/learner_group.py)
 
 
 def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topology:
@@ -99,7 +99,7 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
         name=store_name,
         eta=cfg.admission_eta,
         batch_size=cfg.learner.batch_trees,
-        max_restarts=cfg.run.max_store_restarts,  # Ray restarts a dead store in place (launch/supervision.py)
+        max_restarts=cfg.run.max_store_restarts,  # Ray restarts a dead store in place (runtime/supervision)
         run_dir=cfg.run.run_dir,  # RUN_DIR/logs/store-0.log
     )
     learners = start_learner_group(cfg, data, model_path, store, resume, role_options(cfg, "learner"))

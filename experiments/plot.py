@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.experiment import Spec
-from launch.experiment_report import mean_se
+from experiments.grid import Spec
+from experiments.report import mean_se
 
 
 def smooth(xs: Sequence[float], window: int) -> list[float]:
@@ -39,7 +39,7 @@ def row_curve(spec: Spec, row: str, results: Mapping[str, Mapping[str, Any]], ke
 def plot_curves(
     spec: Spec, results: Mapping[str, Mapping[str, Any]], summary: Sequence[Mapping[str, Any]], path: Path
 ) -> None:
-    """`summary`: launch.experiment_report.rows_summary of the same results (the bar panel)."""
+    """`summary`: experiments.report.rows_summary of the same results (the bar panel)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.restart_policy import rss_slope_mb_per_min
+from runtime.restart_policy import rss_slope_mb_per_min
 
 ROLE_CLASSES = {
     "sampler": ("SamplerActor",),

@@ -1,7 +1,7 @@
 """One run of the experiment grid, in its own process: warm-start, train (in-process, synchronous), evaluate.
 
 Each run writes `result.json` into its folder last, atomically; a folder with one is done, so an interrupted
-grid resumes where it stopped. Training uses `launch/local_run.py` (the same sampler, backup and learner code
+grid resumes where it stopped. Training uses `runtime/local.py` (the same sampler, backup and learner code
 as the Ray topology, one process, one thread): every row gets the same B prompts per step with no policy lag,
 so rows differ only in their algorithm settings.
 """
@@ -45,8 +45,8 @@ def _threads() -> None:
 def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str) -> str:
     """The seed's warm-started tiny model (cached in models_dir), or the base config's model.path."""
     _threads()
-    from launch.experiment import load_spec, resolved_config
-    from launch.model_setup import resolve_model
+    from experiments.grid import load_spec, resolved_config
+    from runtime.model_setup import resolve_model
 
     spec = load_spec(spec_path, quick)
     return resolve_model(resolved_config(spec, spec.rows[0], seed), progress=False, models_dir=models_dir)
@@ -58,11 +58,11 @@ def run_one(
     """Train (unless the row is evaluation-only) and evaluate; returns and writes result.json."""
     _threads()
     from actors.sampler_setup import build_env, load_split
-    from launch.evaluation import evaluate, take
-    from launch.experiment import load_spec, resolved_config
-    from launch.local_run import build_local_run
-    from launch.model_setup import load_tokenizer
-    from launch.provenance import write_json
+    from experiments.evaluation import evaluate, take
+    from experiments.grid import load_spec, resolved_config
+    from experiments.provenance import write_json
+    from runtime.local import build_local_run
+    from runtime.model_setup import load_tokenizer
 
     spec = load_spec(spec_path, quick)
     row = next(r for r in spec.rows if r.name == run["rows"][0])
@@ -101,7 +101,7 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m launch.experiment_run warm SPEC QUICK SEED MODELS_DIR` prints the model path;
+    """`python -m experiments.run warm SPEC QUICK SEED MODELS_DIR` prints the model path;
     `... run SPEC QUICK RUN_JSON MODEL_PATH RUN_DIR` writes RUN_DIR/result.json. JSON in, JSON out."""
     import sys
 

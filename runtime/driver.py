@@ -4,7 +4,7 @@
         ▲                   │ take_batch (fixed B trees, exactly once)
         └── ZeroMQ weights ◀┴── learner ── checkpoint (weights, optimizer, RNG, store watermark)
 
-The roles are placed and started by launch/topology.py and restarted by launch/supervision.py; this module
+The roles are placed and started by runtime/topology.py and restarted by runtime/supervision.py; this module
 is the driver that schedules them.
 
 The driver only schedules calls and moves metrics to tensorboard; data goes actor to actor (trees as Arrow
@@ -28,9 +28,9 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from actors.failures import SamplerFailure, from_ray_error
 from configs.schema import Config
-from launch.learner_group import LearnerRankError
-from launch.supervision import Supervisor
-from launch.topology import (  # noqa: F401  (the Ray run's names, re-exported for its callers)
+from runtime.learner_group import LearnerRankError
+from runtime.supervision import Supervisor
+from runtime.topology import (  # noqa: F401  (the Ray run's names, re-exported for its callers)
     Topology,
     init_ray,
     role_options,
@@ -71,8 +71,8 @@ class Driver:
         self.last_healthy = time.perf_counter()
         self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
         self.last_flush = time.perf_counter()
-        self.supervisor = Supervisor(cfg, topo)  # restarts store, backup, learner (launch/supervision.py)
-        self.stop_requested = lambda: False  # launch/signals.py: True once SIGINT/SIGTERM asked for a stop
+        self.supervisor = Supervisor(cfg, topo)  # restarts store, backup, learner (runtime/supervision.py)
+        self.stop_requested = lambda: False  # runtime/signals.py: True once SIGINT/SIGTERM asked for a stop
 
     def run(self, steps: int) -> dict[str, Any]:
         t0, started_at, self.target = time.perf_counter(), self.step, steps

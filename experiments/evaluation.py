@@ -51,7 +51,7 @@ def evaluate(
     success, em, f1, answered, mean_turns, finish, datasets, per_hop (synthetic KB), seconds} plus, with
     samples, {samples, sampled_success, pass_at_k, sampled: the same stats over the sampled episodes}.
     `backend`: a greedy backend to reuse (closed by the caller); None builds one from cfg and closes it."""
-    from launch.model_setup import build_policy
+    from runtime.model_setup import build_policy
 
     t0 = time.perf_counter()
     greedy = backend or build_policy(cfg, model_path, seed=cfg.run.seed, greedy=True)
@@ -69,7 +69,7 @@ def evaluate(
 
 def _sampled(cfg, model_path, tasks, env, batch, progress, samples) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """K episodes per task at temperature 1 from a seeded sampling backend."""
-    from launch.model_setup import build_policy
+    from runtime.model_setup import build_policy
 
     at_t1 = cfg.model_copy(
         update={"sampler": cfg.sampler.model_copy(update={"temperature": 1.0, "top_p": 1.0, "top_k": 0})}
@@ -100,8 +100,8 @@ def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> l
     from actors.agent_loop import Episode, run_episodes
     from actors.protocols import bind_protocol
     from actors.sampler_setup import loop_limits
-    from launch.model_setup import load_tokenizer
-    from launch.retrieval_recall import episode_recall
+    from experiments.retrieval_recall import episode_recall
+    from runtime.model_setup import load_tokenizer
     from system.tree_build import TreeBuilder
 
     tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)

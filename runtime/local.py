@@ -1,4 +1,4 @@
-"""The same roles as `launch/ray_run.py`, wired in one process (tests, debugging, experiments, profiling).
+"""The same roles as `runtime/driver.py`, wired in one process (tests, debugging, experiments, profiling).
 
     TreeSampler.sample_and_commit ─put_raw→ ReplayStore ─lease_raw→ BackupWorker.run_once ─put_credited→ store
     store ─take_batch(B)→ Learner.train_step ─publish→ InMemoryWeightChannel ─poll (between turns)→ samplers
@@ -62,7 +62,7 @@ def build_local_run(
     if cfg.learner.ranks > 1:  # ranks are processes: only the Ray wiring starts them
         raise ConfigError(
             f"learner.ranks = {cfg.learner.ranks} is invalid: expected 1 when the roles run in one process "
-            "(launch/local_run.py); the sharded learner runs on Ray (treeopsd train)"
+            "(runtime/local.py); the sharded learner runs on Ray (treeopsd train)"
         )
     store = ReplayStore(Path(cfg.store_dir), eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees)
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)

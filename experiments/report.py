@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from launch.experiment import Spec
+from experiments.grid import Spec
 
 METRICS = ("success", "sampled_success")  # greedy success; sampled pass@1 (temperature 1)
 # training diagnostics averaged over a run's steps (then over seeds); a column where any row logged one

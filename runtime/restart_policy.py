@@ -1,4 +1,4 @@
-"""What the supervisor decides when a role fails, as pure functions (no Ray; launch/supervision.py acts).
+"""What the supervisor decides when a role fails, as pure functions (no Ray; runtime/supervision.py acts).
 
     budget = RestartBudget("learner", limit=cfg.run.max_learner_restarts)
     budget.record("its worker process exited")     # 1; raises RoleFailed once the limit is used up
