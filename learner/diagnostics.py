@@ -121,3 +121,18 @@ def padding_stats(batches: list) -> dict[str, float]:
             columns += p.input_ids.numel()
             real += p.num_tokens
     return {"learner/pad_frac": (columns - real) / max(columns, 1), "learner/forwarded_tokens": float(real)}
+
+
+def microbatch_stats(
+    packed: PackedBatch, logp: torch.Tensor, stats: dict[str, float], version: int | None
+) -> dict[str, float]:
+    """One micro-batch's stats (the parts `combine_microbatches` adds up): its loss stats and turn
+    diagnostics; with `version` (the step's first forward, at its starting weights), the mismatch sums over
+    the turns sampled at that version and over every turn."""
+    st = {**stats, **turn_diagnostics(packed, logp)}
+    if version is not None:
+        a, b, n = mismatch_sums(packed, logp, version)
+        st.update(mismatch_k1_sum=a, mismatch_k3_sum=b, mismatch_n=float(n))
+        a, b, n = mismatch_sums(packed, logp)
+        st.update(all_k1_sum=a, all_k3_sum=b, all_n=float(n))
+    return st

@@ -37,7 +37,7 @@ first mini-batch, whose forward runs at θ_old.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,17 +49,16 @@ from configs.schema import Config
 from learner.device import adamw, attention_for, compute_scope, learner_device, prepare_model
 from learner.diagnostics import (
     combine_microbatches,
-    mismatch_sums,
+    microbatch_stats,
     padding_stats,
     summarize_minibatches,
-    turn_diagnostics,
 )
 from learner.flex_attention import bucket_length, compiled_graphs
 from learner.forward import attention_scope, token_logprobs
 from learner.methods import METHODS
 from learner.minibatch import (
     MinibatchTargets,
-    microbatch_loss,
+    loss_reference,
     minibatch_targets,
     pack_microbatch,
     plan_microbatches,
@@ -184,8 +183,39 @@ class Learner:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
-        t0 = time.perf_counter()
+        """One update on a rollout batch, readable top to bottom: per epoch and mini-batch, each micro-batch's
+        forward, its share of the method's loss, backward; then one clipped AdamW step."""
+        t0, algo = time.perf_counter(), self.cfg.algo
         self._set_lr()
+        batches, targets, stats = self._prepare(trees)
+        per_mb: list[dict[str, float]] = []
+        for epoch in range(self.cfg.learner.epochs):
+            for j, micro in enumerate(batches):
+                first = epoch == j == 0 and algo.behavior_logprobs == "sampler" and not self.proximal
+                self.optimizer.zero_grad(set_to_none=True)
+                parts = []
+                for packed in self._passes(micro):
+                    with attention_scope(self.model, packed, self.attention):  # held through backward
+                        logp = self.logprobs(packed)
+                        ref, weights = loss_reference(algo, packed)  # μ or π_prox; the correction
+                        loss, st = self.method.loss(algo, packed, logp.float(), ref, weights, targets[j])
+                        loss.backward()
+                    st.update(loss=float(loss.detach()), tokens=float(packed.num_tokens))
+                    parts.append(microbatch_stats(packed, logp.detach(), st, self.version if first else None))
+                per_mb.append(self._optimizer_step(parts))
+        self.version += 1
+        stats.update(summarize_minibatches(per_mb))
+        stats["learner/microbatches"] = float(sum(len(micro) for micro in batches))
+        stats.update({"learner/step_s": time.perf_counter() - t0, "learner/version": float(self.version)})
+        stats["learner/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        stats["learner/compiles"] = float(compiled_graphs())
+        return stats
+
+    def _prepare(
+        self, trees: Sequence[RolloutTree]
+    ) -> tuple[list[list[PackedBatch]], list[MinibatchTargets], dict[str, float]]:
+        """The step's micro-batches (μ recomputed or π_prox attached by one no-grad scoring pass where asked),
+        their targets, and the batch's selection and padding stats."""
         kept = self._select(trees)
         stats: dict[str, float] = {
             "learner/trees": float(len(kept)),
@@ -198,18 +228,7 @@ class Learner:
             batches = reference_pass(self.cfg.algo, batches, scores, self.version, ranks, stats)
         self._check_nonfinite([p for micro in batches for p in micro])
         stats.update(padding_stats([p for micro in batches for p in micro]))
-        per_mb: list[dict[str, float]] = []
-        for epoch in range(self.cfg.learner.epochs):
-            for j, micro in enumerate(batches):
-                first = epoch == j == 0 and self.cfg.algo.behavior_logprobs == "sampler" and not self.proximal
-                per_mb.append(self._train_minibatch(micro, targets[j], measure_mismatch=first))
-        self.version += 1
-        stats.update(summarize_minibatches(per_mb))
-        stats["learner/microbatches"] = float(sum(len(micro) for micro in batches))
-        stats.update({"learner/step_s": time.perf_counter() - t0, "learner/version": float(self.version)})
-        stats["learner/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        stats["learner/compiles"] = float(compiled_graphs())
-        return stats
+        return batches, targets, stats
 
     def _set_lr(self) -> None:
         """Linear warmup over `learner.warmup_steps` learner steps; a function of the version, so a resumed
@@ -299,39 +318,18 @@ class Learner:
         limit = self.cfg.algo.nonfinite_turn_limit
         check_nonfinite_fraction(sum(int(a) for a, _ in parts), sum(int(t) for _, t in parts), limit)
 
-    # ---- one mini-batch ---------------------------------------------------------------------------
-    def _train_minibatch(
-        self, micro: list[PackedBatch], targets: MinibatchTargets, measure_mismatch: bool
-    ) -> dict[str, float]:
-        """Gradients of the mini-batch accumulated over its micro-batches, then one clipped AdamW step."""
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = self.accumulate(micro, targets, measure_mismatch)
+    # ---- one mini-batch: what the sharded learner does differently ------------------------------------
+    def _passes(self, micro: list[PackedBatch]) -> Iterator[PackedBatch]:
+        """The micro-batches this process runs forward and backward (the sharded learner's padding passes
+        join the collectives and are left out)."""
+        return iter(micro)
+
+    def _optimizer_step(self, parts: list[dict[str, Any]]) -> dict[str, float]:
+        """The clipped AdamW step after the mini-batch's backward passes; its combined stats."""
         clip = self.cfg.learner.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         self.optimizer.step()
-        return {**stats, "grad_norm": float(norm)}
-
-    def accumulate(
-        self, micro: list[PackedBatch], targets: MinibatchTargets, measure_mismatch: bool = False
-    ) -> dict[str, float]:
-        """Forward and backward each micro-batch into the parameters' .grad (every share is over the
-        mini-batch's Z, so the sum is the one-shot gradient); returns the mini-batch's combined stats."""
-        return combine_microbatches([self._backward(p, targets, measure_mismatch) for p in micro])
-
-    def _backward(self, packed: PackedBatch, targets: MinibatchTargets, measure_mismatch: bool) -> dict:
-        """One micro-batch's forward and backward; its stats (the parts `combine_microbatches` adds up)."""
-        with attention_scope(self.model, packed, self.attention):  # held through backward (checkpointing)
-            logp = self.logprobs(packed)
-            loss, st = microbatch_loss(self.cfg.algo, packed, logp, targets)
-            loss.backward()
-        st.update(loss=float(loss.detach()), tokens=float(packed.num_tokens))
-        st.update(turn_diagnostics(packed, logp.detach()))
-        if measure_mismatch:  # this forward runs at the step's start: lag-0 turns, and every turn
-            a, b, n = mismatch_sums(packed, logp.detach(), self.version)
-            st.update(mismatch_k1_sum=a, mismatch_k3_sum=b, mismatch_n=float(n))
-            a, b, n = mismatch_sums(packed, logp.detach())
-            st.update(all_k1_sum=a, all_k3_sum=b, all_n=float(n))
-        return st
+        return {**combine_microbatches(parts), "grad_norm": float(norm)}
 
     def logprobs(self, packed: PackedBatch) -> torch.Tensor:
         """π's log-probs of the loss tokens (`forward.token_logprobs`), under the precision's scope."""

@@ -4,7 +4,8 @@ token-budget micro-batches (docs/design.md §11; pure torch/numpy).
     targets = minibatch_targets(method, trees, leaf_adv, weights)   # Z and per-node tables
     for micro in plan_microbatches(trees, budget, packed=True):
         packed = pack_microbatch(trees, micro, packed=True, full=...)
-        loss, st = microbatch_loss(cfg.algo, packed, logp, targets)  # Σ over micro-batches = one-shot loss
+        ref, c = loss_reference(cfg.algo, packed)                       # μ or π_prox, the correction
+        loss, st = METHODS[cfg.algo.method].loss(cfg.algo, packed, logp, ref, c, targets)  # Σ = one-shot
         loss.backward()                                              # gradients accumulate
 
 The accumulated gradient equals the one-shot gradient because every denominator is global to the mini-batch
@@ -132,11 +133,8 @@ def correction(algo: AlgoConfig, packed: PackedBatch) -> tuple[torch.Tensor | No
     return correction_weights(mode, prox, behavior, on, unit, algo.is_threshold, band)
 
 
-def microbatch_loss(
-    algo: AlgoConfig, packed: PackedBatch, logp: torch.Tensor, targets: MinibatchTargets
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """This micro-batch's share of the mini-batch loss (the shares sum to the one-shot loss). The reference
-    is π_prox when the step scored one (algo.proximal=step_start), else the stored μ."""
+def loss_reference(algo: AlgoConfig, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a micro-batch's loss is taken against: the reference log-probs (π_prox when the step scored one,
+    algo.proximal=step_start, else the stored μ) and the rollout correction's weights (None: off)."""
     ref = packed.behavior_logp if packed.proximal_logp is None else packed.proximal_logp
-    weights, _ = correction(algo, packed)
-    return METHODS[algo.method].loss(algo, packed, logp.float(), ref, weights, targets)
+    return ref, correction(algo, packed)[0]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from learner.distributed import (
 )
 from learner.forward import attention_scope
 from learner.learner import Learner, checkpointed_metrics
-from learner.minibatch import MinibatchTargets, microbatch_pieces
+from learner.minibatch import microbatch_pieces
 from learner.packing import PackedBatch
 from storage.checkpoint import Checkpoint, load_latest, verify_checkpoint
 from storage.dcp_checkpoint import restore_into, save_dcp_checkpoint
@@ -154,18 +154,18 @@ class ShardedLearner(Learner):
         return gather_json(value)
 
     # ---- one mini-batch ---------------------------------------------------------------------------
-    def _train_minibatch(
-        self, micro: list[PackedBatch], targets: MinibatchTargets, measure_mismatch: bool
-    ) -> dict[str, float]:
-        """This rank's share of the mini-batch's gradient (summed over ranks by FSDP2), one clipped AdamW
-        step on every rank's shards; the stats of every rank's micro-batches combined."""
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = []
+    def _passes(self, micro: list[PackedBatch]) -> Iterator[PackedBatch]:
+        """This rank's real micro-batches; a padding pass joins the collectives here, in its place, and is
+        not yielded (every rank runs as many passes as the rank with the most, `_pack`)."""
         for packed in micro:
             if isinstance(packed, Padding):
                 self._join(packed.packed)
             else:
-                parts.append(self._backward(packed, targets, measure_mismatch))
+                yield packed
+
+    def _optimizer_step(self, parts: list[dict[str, Any]]) -> dict[str, float]:
+        """This rank's share of the gradient is in (summed over ranks by FSDP2): one clipped AdamW step on
+        every rank's shards; the stats of every rank's micro-batches combined."""
         everyone = [p for rank_parts in gather_json(parts) for p in rank_parts]
         norm = clip_global_norm(self.model.parameters(), self.cfg.learner.grad_clip)
         self.optimizer.step()

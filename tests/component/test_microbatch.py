@@ -19,9 +19,9 @@ METHODS = ["treeopsd", "grpo", "gspo", "treepo"]
 
 def grads(learner: Learner, trees) -> tuple[torch.Tensor, int]:
     """The first mini-batch's accumulated gradient (no optimizer step) and its micro-batch count."""
-    batches, targets = learner.plan(trees)
-    learner.optimizer.zero_grad(set_to_none=True)
-    learner.accumulate(batches[0], targets[0])
+    batches, _ = learner.plan(trees)
+    assert learner.cfg.learner.minibatches == learner.cfg.learner.epochs == 1  # .grad: this mini-batch's
+    learner.step(trees)  # the step leaves the mini-batch's accumulated gradient in .grad
     flat = torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
     return flat, len(batches[0])
 

@@ -33,9 +33,8 @@ def gpu_learner(model, **learner_keys) -> Learner:
 
 
 def first_grad(learner: Learner, trees) -> torch.Tensor:
-    batches, targets = learner.plan(trees)
-    learner.optimizer.zero_grad(set_to_none=True)
-    learner.accumulate(batches[0], targets[0])
+    assert learner.cfg.learner.minibatches == learner.cfg.learner.epochs == 1  # .grad: this mini-batch's
+    learner.step(trees)  # the step leaves the mini-batch's accumulated gradient in .grad
     return torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
 
 
