@@ -12,7 +12,8 @@ import time
 import pytest
 
 from configs.schema import load_config
-from faults.soak import audit_store, kill_role
+from faults.audit import audit_store
+from faults.processes import kill_role
 from launch.cmd_soak import sampler_restarts
 from runtime.driver import Driver, start_topology, stop_topology
 from runtime.restart_policy import RoleFailed, batch_audit

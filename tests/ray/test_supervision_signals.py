@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from waiting import wait_until
 
-from faults.soak import audit_store
+from faults.audit import audit_store
 from storage.checkpoint import load_latest
 from storage.metrics import read_scalars
 

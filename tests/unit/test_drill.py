@@ -1,9 +1,12 @@
-"""The fire drill's pure parts (faults/drill.py): the kill plan, the learner's lineage of trained batches, and
-the verdict over what the run's files say."""
+"""The fire drill's pure parts: the kill plan (faults/campaign.py), the learner's lineage of trained batches,
+and the verdict over what the run's files say (faults/audit.py, shared with the soak)."""
 
 import pytest
 
-from faults.drill import ROLES, drill_verdict, kill_plan, lineage
+from faults.audit import lineage
+from faults.audit import verdict as drill_verdict
+from faults.campaign import kill_plan
+from faults.processes import ROLES
 
 
 def test_kill_plan_kills_each_role_once_at_distinct_steps_inside_the_run():

@@ -1,28 +1,22 @@
-"""The soak's parts: find this run's role processes, kill one on a schedule, watch resident memory, and audit
-the store afterwards from its own files (`treeopsd soak`, launch/cmd_soak.py; tests/ray/test_supervision.py).
+"""The processes of a training run, found through /proc: each role's actor processes, a SIGKILL to one of
+them, and their resident memory over time (faults/campaign.py drives them; tests/ray/test_supervision.py
+kills roles of an in-process topology with `kill_role`).
 
-    killer = Killer(every_s=30, roles=("sampler", "backup", "store", "learner"), seed=0); killer.start()
-    memory = MemoryWatch(interval_s=10); memory.start()
-    ...  # the run
-    killer.stop(); memory.stop()
-    audit_store(run_dir / "store")     # trees committed, lost, duplicated, half-visible
+    role_processes(root_pid)                    # {"sampler": [pid, ...], "backup": [...], ...}
+    kill_role("store", rng, root_pid)           # the pid SIGKILLed, or None when the role has none now
+    memory = MemoryWatch(root_pid); memory.sample(t)   # every process's RSS at t seconds; .report(...)
 
-Processes are found through /proc, without a Ray call (a call to a busy actor waits behind its current one,
-so asking an actor for its pid would only ever kill it between calls): a role's actor process is titled
-`ray::<ActorClass>` (or `ray::<ActorClass>.<method>` while it runs one) by Ray, and only descendants of this
-process count — the raylet this driver started is their parent — so nothing of another Ray instance on the
-machine is ever touched. Local Ray only (no RAY_ADDRESS).
+No Ray call: a call to a busy actor waits behind its current one, so asking an actor for its pid would only
+ever kill it between calls. Ray titles a role's actor process `ray::<ActorClass>` (or
+`ray::<ActorClass>.<method>` while it runs one), and only descendants of `root_pid` count — the raylet the
+run's driver started is their parent — so nothing of another Ray instance on the machine is ever touched.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import threading
-import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +28,7 @@ ROLE_CLASSES = {
     "store": ("StoreActor",),
     "learner": ("LearnerActor", "LearnerRankActor"),
 }
+ROLES = tuple(ROLE_CLASSES)
 
 
 def _proc_table() -> dict[int, tuple[int, str]]:
@@ -87,50 +82,16 @@ def kill_role(role: str, rng: random.Random, root_pid: int | None = None) -> int
     return pid
 
 
-class _Periodic(threading.Thread):
-    def __init__(self, interval_s: float) -> None:
-        super().__init__(daemon=True)
-        self.interval_s, self.t0, self._done = interval_s, time.monotonic(), threading.Event()
+class MemoryWatch:
+    """The resident memory of the run's root process (its driver, "driver") and of every role process under
+    it, sampled by `sample(t)`; `samples` maps (role, pid) to [(seconds, bytes), ...] (a restarted role is a
+    new pid, a new series)."""
 
-    def run(self) -> None:
-        while not self._done.wait(self.interval_s):
-            self.tick(time.monotonic() - self.t0)
-
-    def tick(self, t: float) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        self._done.set()
-        self.join(timeout=30)
-
-
-class Killer(_Periodic):
-    """Every `every_s` seconds, SIGKILLs a random process of a random role (seeded); `kills` records
-    (seconds since start, role, pid)."""
-
-    def __init__(self, every_s: float, roles: Sequence[str], seed: int = 0, root_pid: int | None = None):
-        super().__init__(every_s)
-        self.roles, self.rng, self.root_pid = list(roles), random.Random(seed), root_pid or os.getpid()
-        self.kills: list[tuple[float, str, int]] = []
-
-    def tick(self, t: float) -> None:
-        for role in self.rng.sample(self.roles, len(self.roles)):  # a role that is down now: the next one
-            pid = kill_role(role, self.rng, self.root_pid)
-            if pid is not None:
-                self.kills.append((round(t, 1), role, pid))
-                return
-
-
-class MemoryWatch(_Periodic):
-    """Every `interval_s`, the resident memory of every role process and of this driver; `samples` maps
-    (role, pid) to [(seconds since start, bytes), ...] (a restarted role is a new pid, a new series)."""
-
-    def __init__(self, interval_s: float, root_pid: int | None = None) -> None:
-        super().__init__(interval_s)
+    def __init__(self, root_pid: int | None = None) -> None:
         self.root_pid = root_pid or os.getpid()
         self.samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
 
-    def tick(self, t: float) -> None:
+    def sample(self, t: float) -> None:
         procs = [("driver", self.root_pid)]
         procs += [(role, pid) for role, pids in role_processes(self.root_pid).items() for pid in pids]
         for role, pid in procs:
@@ -177,36 +138,3 @@ def _rss_bytes(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-def audit_store(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """What the store's own files say after a run (read-only open; moves nothing): trees committed, lost
-    (a trained tree it no longer holds, or one in no state), duplicated (in two batches, or a raw commit
-    refused as a repeat), half-visible (a committed segment that does not decode); and what the restarts
-    left in quarantine/: commits killed before their rename and torn log tails (never visible)."""
-    from storage.replay_store import ReplayStore
-    from storage.store_files import REASON_SUFFIX
-
-    with ReplayStore(directory, create=False, readonly=True) as store:
-        stats, report = store.stats(), store.recovery_report
-        batches = [store.batch_tree_ids(k) for k in range(store.watermark())]
-        held = set(store.tree_ids())
-    trained = [t for ids in batches for t in ids]
-    trees = stats["trees"]
-    in_no_state = trees["total"] - trees["raw"] - trees["credited"] - trees["consumed"]
-    reasons = []
-    for path in sorted((Path(directory) / "quarantine").glob(f"*{REASON_SUFFIX}")):
-        reasons.append((path.name, json.loads(path.read_text())["reason"]))
-    repeats = [n for n, r in reasons if "already committed" in r]
-    interrupted = [n for n, r in reasons if n.startswith("tmp-") or "torn" in r]
-    corrupt = [n for n, r in reasons if n not in repeats and n not in interrupted]
-    return {
-        "trees_committed": trees["total"],
-        "trees_trained": len(trained),
-        "batches": len(batches),
-        "trees_lost": sum(t not in held for t in trained) + in_no_state,
-        "trees_duplicated": len(trained) - len(set(trained)) + len(repeats),
-        "trees_half_visible": len(corrupt) + sum(1 for r in report if r["committed"]),
-        "interrupted_commits": len(interrupted),
-        "quarantined": stats["quarantined"],
-    }
