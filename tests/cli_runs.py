@@ -10,9 +10,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = (
-    "learner.batch_trees=2", "learner.minibatches=2", "algo.M=2", "algo.N=1", "env.max_turns=3",
+    "learner.batch_trees=2",
+    "learner.minibatches=2",
+    "algo.M=2",
+    "algo.N=1",
+    "env.max_turns=3",
     "env.max_turn_tokens=16",
-)  # fmt: skip
+)
 
 
 def run_small(*args: str, model_dir: str, timeout_s: float = 1200) -> subprocess.CompletedProcess[str]:

@@ -27,9 +27,14 @@ def save(learner, run_dir, fmt: int):
     if fmt == 1:
         return learner.save(run_dir)
     return save_dcp_checkpoint(
-        run_dir, learner.version, learner.model, learner.optimizer, version=learner.version,
-        extra={"watermark": 1}, tokenizer=learner.tokenizer,
-    )  # fmt: skip
+        run_dir,
+        learner.version,
+        learner.model,
+        learner.optimizer,
+        version=learner.version,
+        extra={"watermark": 1},
+        tokenizer=learner.tokenizer,
+    )
 
 
 @pytest.mark.parametrize("fmt", [1, 2])

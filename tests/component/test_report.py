@@ -12,18 +12,27 @@ PANELS = {
     "reward.png": ["Reward (mean leaf reward per batch)", "Evaluation success"],
     "staleness.png": ["Version lag of trained trees", "Stale trees per batch", "Trees pending in the store"],
     "mismatch.png": [
-        "Mismatch μ vs π_prox (k3) by version lag", "Mismatch μ vs π_prox (k1)", "Importance weight",
-        "Clipped and masked by the correction", "Turns cut at the token limit",
+        "Mismatch μ vs π_prox (k3) by version lag",
+        "Mismatch μ vs π_prox (k1)",
+        "Importance weight",
+        "Clipped and masked by the correction",
+        "Turns cut at the token limit",
     ],
     "throughput.png": [
-        "Sampler: tokens per second", "Sampler: idle ratio", "Sampler: wait for weights",
-        "Learner: step time", "Learner: idle ratio", "Learner: wait for a batch",
+        "Sampler: tokens per second",
+        "Sampler: idle ratio",
+        "Sampler: wait for weights",
+        "Learner: step time",
+        "Learner: idle ratio",
+        "Learner: wait for a batch",
     ],
     "minibatches.png": [
-        "Loss per mini-batch", "Overshoot fraction per mini-batch", "Mean |s| per mini-batch",
+        "Loss per mini-batch",
+        "Overshoot fraction per mini-batch",
+        "Mean |s| per mini-batch",
         "KL to target per mini-batch",
     ],
-}  # fmt: skip
+}
 TAB_BLUE = np.array([31, 119, 180]) / 255  # the first line colour of every panel
 
 
@@ -34,15 +43,25 @@ def write_run(run_dir, steps=6, tags=None):
     for step in range(1, steps + 1):
         metrics = {
             "reward/mean": 0.3 + 0.05 * step + 0.02 * rng.standard_normal(),
-            "learner/loss": 0.01 / step, "learner/kl_to_target": 0.002 / step,
-            "learner/step_s": 0.4 + 0.1 * rng.random(), "learner/idle_ratio": 0.2 + 0.1 * rng.random(),
+            "learner/loss": 0.01 / step,
+            "learner/kl_to_target": 0.002 / step,
+            "learner/step_s": 0.4 + 0.1 * rng.random(),
+            "learner/idle_ratio": 0.2 + 0.1 * rng.random(),
             "learner/wait_for_batch_s": 0.1 * rng.random(),
-            "store/stale_trees": float(step % 3), "weights/version_lag": 0.5 * (step % 3),
-            "weights/version_lag_max": float(step % 3), "tree/leaves": 12.0, "backup/trees": 4.0 * step,
-            "mismatch/k3": 0.01 * step, "mismatch/k3_lag0": 1e-4, "mismatch/k1": 0.012 * step,
-            "correction/weight_mean": 0.98, "correction/weight_max": 2.0, "tree/truncated_frac": 0.02,
-            "correction/clipped_token_frac": 0.05, "correction/masked_token_frac": 0.0,
-        }  # fmt: skip
+            "store/stale_trees": float(step % 3),
+            "weights/version_lag": 0.5 * (step % 3),
+            "weights/version_lag_max": float(step % 3),
+            "tree/leaves": 12.0,
+            "backup/trees": 4.0 * step,
+            "mismatch/k3": 0.01 * step,
+            "mismatch/k3_lag0": 1e-4,
+            "mismatch/k1": 0.012 * step,
+            "correction/weight_mean": 0.98,
+            "correction/weight_max": 2.0,
+            "tree/truncated_frac": 0.02,
+            "correction/clipped_token_frac": 0.05,
+            "correction/masked_token_frac": 0.0,
+        }
         for k in range(2):
             metrics |= {
                 f"learner/mb{k}/loss": (0.01 + 0.002 * k) / step,
@@ -52,12 +71,14 @@ def write_run(run_dir, steps=6, tags=None):
             }
         batches = [metrics]
         for _ in range(2):  # the driver flushes role metrics more than once per learner step
-            batches.append({
-                "sampler/tokens_per_s": 900 + 50 * rng.standard_normal(),
-                "sampler/idle_ratio": 0.1 * rng.random(),
-                "sampler/wait_for_weights_s": 1e-3 * rng.random(),
-                "store/trees_pending": float(rng.integers(0, 5)),
-            })  # fmt: skip
+            batches.append(
+                {
+                    "sampler/tokens_per_s": 900 + 50 * rng.standard_normal(),
+                    "sampler/idle_ratio": 0.1 * rng.random(),
+                    "sampler/wait_for_weights_s": 1e-3 * rng.random(),
+                    "store/trees_pending": float(rng.integers(0, 5)),
+                }
+            )
         for batch in batches:
             sink.log({k: v for k, v in batch.items() if tags is None or k in tags}, step)
     sink.close()

@@ -32,8 +32,12 @@ def _serve_once(corpus: Path, index_dir: Path, *extra: str) -> tuple[str, dict]:
     """Starts the service, waits for its ready line, asks one question, stops it with SIGTERM."""
     proc = subprocess.Popen(
         _cmd("--corpus", str(corpus), "--index-dir", str(index_dir), "--port", "0", *extra),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
     try:
         line = proc.stdout.readline()
         match = re.search(r"at (http://127\.0\.0\.1:\d+)/retrieve$", line.strip())
@@ -107,8 +111,12 @@ def test_a_token_from_the_flag_or_the_environment_is_required(tmp_path, where):
     extra = ("--token", "tok") if where == "flag" else ()
     proc = subprocess.Popen(
         _cmd("--corpus", str(corpus), "--port", "0", *extra),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         url = re.search(r"at (http://\S+)/retrieve", proc.stdout.readline()).group(1)
         assert post(url, {"queries": ["mentor"]})[0] == 401

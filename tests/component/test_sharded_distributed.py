@@ -86,8 +86,16 @@ def test_dcp_checkpoint_of_two_ranks_resumes_with_one_and_two_and_exports(tmp_pa
     assert got["learner/loss"] == pytest.approx(want["learner/loss"], abs=TOL)
     assert max_diff(dict(one.model.state_dict()), ref.model) <= TOL
 
-    two = run_ranks(tmp_path, 2, to_dict(cfg), model_dir=tiny_model_dir, restore=True, save=True,
-                    first_batch=1, tag="second")  # fmt: skip
+    two = run_ranks(
+        tmp_path,
+        2,
+        to_dict(cfg),
+        model_dir=tiny_model_dir,
+        restore=True,
+        save=True,
+        first_batch=1,
+        tag="second",
+    )
     assert [r["restored_step"] for r in two] == [1, 1]  # 2 ranks → 2
     assert two[0]["stats"][0]["learner/loss"] == pytest.approx(want["learner/loss"], abs=TOL)
     assert weights_diff(tmp_path / "second", ref.model) <= TOL

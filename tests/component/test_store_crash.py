@@ -117,5 +117,7 @@ def test_random_sigkills_lose_nothing_acknowledged_and_add_nothing_unstarted(tmp
         text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    print(f"{RANDOM_KILLS} kills: {len(ledger.acked)} acknowledged, {len(ledger.present)} present, "
-          f"{landed} unacknowledged commits landed, {ledger.torn} temp files quarantined")  # fmt: skip
+    print(
+        f"{RANDOM_KILLS} kills: {len(ledger.acked)} acknowledged, {len(ledger.present)} present, "
+        f"{landed} unacknowledged commits landed, {ledger.torn} temp files quarantined"
+    )

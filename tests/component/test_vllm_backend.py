@@ -313,10 +313,16 @@ def test_learner_scores_vllm_trees_under_their_sampling_distribution(
 
     cfg = load_config(
         overrides=[
-            f"sampler.temperature={temperature}", f"sampler.top_p={top_p}", f"sampler.top_k={top_k}",
-            "algo.M=2", "algo.N=1", "env.max_turns=3", "env.max_turn_tokens=12", "learner.minibatches=1",
+            f"sampler.temperature={temperature}",
+            f"sampler.top_p={top_p}",
+            f"sampler.top_k={top_k}",
+            "algo.M=2",
+            "algo.N=1",
+            "env.max_turns=3",
+            "env.max_turn_tokens=12",
+            "learner.minibatches=1",
         ]
-    )  # fmt: skip
+    )
     saved, vllm_backend.sampling = vllm_backend.sampling, SamplingConfig.of(cfg.sampler, seed=5)
     try:
         trees = build_sampler(cfg, str(tiny_model_dir), backend=vllm_backend).sample(4)

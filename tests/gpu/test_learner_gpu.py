@@ -59,10 +59,11 @@ def test_microbatched_gradient_equals_one_shot_on_cuda(setup, attention):
     model, trees = setup
     ref = first_grad(gpu_learner(model, tree_attention="chunked" if attention == "tree" else "flex"), trees)
     got = first_grad(
-        gpu_learner(model, tree_attention="chunked" if attention == "tree" else "flex",
-                    max_tokens_per_microbatch=60),
+        gpu_learner(
+            model, tree_attention="chunked" if attention == "tree" else "flex", max_tokens_per_microbatch=60
+        ),
         trees,
-    )  # fmt: skip
+    )
     assert float((got - ref).norm() / ref.norm()) <= 1e-5
 
 

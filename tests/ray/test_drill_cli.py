@@ -19,8 +19,18 @@ STEPS = 16  # kills in steps 1-8, then 8 steps to heal before the end
 
 def test_train_reaches_its_steps_with_every_role_killed_once(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "drill"
-    done = run_small("drill", "--steps", str(STEPS), "--seed", "1", "--run-dir", str(run_dir),
-                     "--timeout-min", "15", model_dir=tiny_model_dir)  # fmt: skip
+    done = run_small(
+        "drill",
+        "--steps",
+        str(STEPS),
+        "--seed",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--timeout-min",
+        "15",
+        model_dir=tiny_model_dir,
+    )
     report = json.loads((run_dir / "drill.json").read_text())
     assert done.returncode == 0 and report["ok"], (report.get("checks"), done.stderr[-3000:])
     assert sorted(r for _, r, _ in report["kills"]) == ["backup", "learner", "sampler", "store"]
@@ -36,8 +46,17 @@ def test_train_reaches_its_steps_with_every_role_killed_once(tmp_path, tiny_mode
 
 
 def test_a_bad_override_is_refused_before_training_starts(tmp_path):
-    cmd = [sys.executable, "-m", "launch.cli", "drill", "--steps", "12", "--run-dir", str(tmp_path / "d"),
-           "learner.no_such_key=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "drill",
+        "--steps",
+        "12",
+        "--run-dir",
+        str(tmp_path / "d"),
+        "learner.no_such_key=1",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "learner.no_such_key" in done.stderr
     assert not (tmp_path / "d").exists()  # nothing started, nothing written

@@ -27,11 +27,23 @@ pytestmark = [
 ]
 
 RL = {
-    "sampler.backend": "vllm", "sampler.num_samplers": 1, "learner.precision": "bfloat16",
-    "env.protocol": "qwen3", "algo.M": 2, "algo.N": 1, "learner.batch_trees": 2, "learner.minibatches": 1,
-    "learner.lr": 1e-5, "learner.checkpoint_every": 100, "env.max_turns": 3, "env.max_turn_tokens": 40,
-    "env.token_budget": 1024, "store.eta": 1, "logging.tensorboard": "false", "logging.progress": "false",
-}  # fmt: skip
+    "sampler.backend": "vllm",
+    "sampler.num_samplers": 1,
+    "learner.precision": "bfloat16",
+    "env.protocol": "qwen3",
+    "algo.M": 2,
+    "algo.N": 1,
+    "learner.batch_trees": 2,
+    "learner.minibatches": 1,
+    "learner.lr": 1e-5,
+    "learner.checkpoint_every": 100,
+    "env.max_turns": 3,
+    "env.max_turn_tokens": 40,
+    "env.token_budget": 1024,
+    "store.eta": 1,
+    "logging.tensorboard": "false",
+    "logging.progress": "false",
+}
 
 
 def test_smollm2_sft_async_rl_and_eval(ray_cluster, tmp_path):

@@ -25,11 +25,20 @@ def searching_model(tmp_path_factory):
 
 def small_cfg(run_dir, **extra):
     overrides = {
-        "run.run_dir": str(run_dir), "learner.batch_trees": 2, "learner.minibatches": 2,
-        "sampler.num_samplers": 2, "algo.M": 2, "algo.N": 1, "env.max_turns": 3,
-        "env.max_turn_tokens": 16, "store.eta": 1, "env.retriever": "service",
-        "env.retriever_retries": 1, "env.retriever_timeout_s": 2, **extra,
-    }  # fmt: skip
+        "run.run_dir": str(run_dir),
+        "learner.batch_trees": 2,
+        "learner.minibatches": 2,
+        "sampler.num_samplers": 2,
+        "algo.M": 2,
+        "algo.N": 1,
+        "env.max_turns": 3,
+        "env.max_turn_tokens": 16,
+        "store.eta": 1,
+        "env.retriever": "service",
+        "env.retriever_retries": 1,
+        "env.retriever_timeout_s": 2,
+        **extra,
+    }
     return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 

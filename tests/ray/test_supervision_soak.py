@@ -15,8 +15,18 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 def test_two_minute_soak_under_kills_every_15_s_keeps_every_tree_and_batch_once(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "soak"
-    done = run_small("soak", "--minutes", "2", "--every", "15", "--seed", "1", "--run-dir", str(run_dir),
-                     model_dir=tiny_model_dir)  # fmt: skip
+    done = run_small(
+        "soak",
+        "--minutes",
+        "2",
+        "--every",
+        "15",
+        "--seed",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        model_dir=tiny_model_dir,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((run_dir / "soak.json").read_text())
     assert report["ok"] and sum(report["kills"].values()) >= 5  # 120 s / 15 s = 8 ticks, the first at 15 s

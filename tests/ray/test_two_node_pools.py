@@ -32,11 +32,19 @@ NODE_IP = "127.0.0.2"
 
 def pool_cfg(run_dir, **extra):
     overrides = {
-        "run.run_dir": str(run_dir), "learner.batch_trees": 2, "learner.minibatches": 2,
-        "sampler.num_samplers": 2, "algo.M": 2, "algo.N": 1, "env.max_turns": 3,
-        "env.max_turn_tokens": 16, "store.eta": 1,
-        "resources.learner.pool": "train", "resources.sampler.pool": "sample", **extra,
-    }  # fmt: skip
+        "run.run_dir": str(run_dir),
+        "learner.batch_trees": 2,
+        "learner.minibatches": 2,
+        "sampler.num_samplers": 2,
+        "algo.M": 2,
+        "algo.N": 1,
+        "env.max_turns": 3,
+        "env.max_turn_tokens": 16,
+        "store.eta": 1,
+        "resources.learner.pool": "train",
+        "resources.sampler.pool": "sample",
+        **extra,
+    }
     return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 

@@ -20,11 +20,18 @@ def test_verdict_follows_the_interval():
 
 def test_render_has_a_row_per_shape_and_hop_count():
     credit = {
-        **fig(0.008, 0.005, 0.011, trees=90), "trees_per_setting": 10, "shapes": ["4,2", "8,0"],
-        "hops": [2, 4], "turns": 900, "progress_turns": 300, "rho": 0.25, "seed": 0, "n_boot": 1000,
+        **fig(0.008, 0.005, 0.011, trees=90),
+        "trees_per_setting": 10,
+        "shapes": ["4,2", "8,0"],
+        "hops": [2, 4],
+        "turns": 900,
+        "progress_turns": 300,
+        "rho": 0.25,
+        "seed": 0,
+        "n_boot": 1000,
         "by_shape": {"4,2": fig(0.017, 0.01, 0.02), "8,0": fig(0.0, 0.0, 0.0)},
         "by_hops": {"2": fig(0.002, -0.01, 0.01)},
-    }  # fmt: skip
+    }
     text = render(credit)
     assert (
         "| all (pooled) | 90 | 0.740 [0.730, 0.750] | 0.730 [0.720, 0.740] | 0.720 [0.710, 0.730] | "

@@ -33,10 +33,14 @@ def test_lineage_undoes_steps_a_restarted_learner_logs_again():
 def verdict(**changes):
     plan = [(1, "sampler"), (2, "backup"), (3, "store"), (4, "learner")]
     base = {
-        "steps": 5, "returncode": 0, "plan": plan, "kills": [(s, r, 100 + s) for s, r in plan],
-        "trained": {1: 0, 2: 1, 3: 2, 4: 3, 5: 4}, "batches": [["a"], ["b"], ["c"], ["d"], ["e"]],
+        "steps": 5,
+        "returncode": 0,
+        "plan": plan,
+        "kills": [(s, r, 100 + s) for s, r in plan],
+        "trained": {1: 0, 2: 1, 3: 2, 4: 3, 5: 4},
+        "batches": [["a"], ["b"], ["c"], ["d"], ["e"]],
         "store_errors": [],
-    }  # fmt: skip
+    }
     return drill_verdict(**{**base, **changes})
 
 

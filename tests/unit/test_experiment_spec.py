@@ -114,8 +114,13 @@ def test_rows_summary_and_table():
         ev = {"success": success, "per_hop": per_hop}
         if sampled is not None:
             ev.update(sampled_success=sampled, pass_at_k=min(1.0, 2 * sampled))
-        return {"rows": list(run.rows), "seed": run.seed, "expected_cost": 8.0, "eval": ev,
-                "curves": {"reward/mean": list(curve)}}  # fmt: skip
+        return {
+            "rows": list(run.rows),
+            "seed": run.seed,
+            "expected_cost": 8.0,
+            "eval": ev,
+            "curves": {"reward/mean": list(curve)},
+        }
 
     # 20 steps: the rise compares the mean of the last 2 with the mean of the first 2 (a tenth each)
     up = [0.1, 0.3] + [0.5] * 16 + [0.6, 0.8]  # (0.6 + 0.8)/2 − (0.1 + 0.3)/2 = 0.5
@@ -153,14 +158,19 @@ def test_claims_use_paired_per_seed_differences():
         {"better": "TreeOPSD", "worse": "rho = 0.25"},
     ]
     spec = parse_spec(_doc(seeds=[0, 1, 2], claims=claims))
-    success = {("ReAct", 0): 0.50, ("ReAct", 1): 0.50, ("ReAct", 2): 0.50,
-               ("GRPO", 0): 0.40, ("GRPO", 1): 0.60, ("GRPO", 2): 0.45,
-               ("TreeOPSD", 0): 0.45, ("TreeOPSD", 1): 0.66, ("TreeOPSD", 2): 0.52}  # fmt: skip
+    success = {
+        ("ReAct", 0): 0.50,    ("ReAct", 1): 0.50,    ("ReAct", 2): 0.50,
+        ("GRPO", 0): 0.40,     ("GRPO", 1): 0.60,     ("GRPO", 2): 0.45,
+        ("TreeOPSD", 0): 0.45, ("TreeOPSD", 1): 0.66, ("TreeOPSD", 2): 0.52,
+    }  # fmt: skip  # a table: one row per method, one column per seed, aligned
     results = {}
     for run in plan(spec):
         greedy = success[(run.rows[0], run.seed)]
-        results[run.key] = {"rows": list(run.rows), "seed": run.seed,
-                            "eval": {"success": greedy, "sampled_success": greedy / 2}}  # fmt: skip
+        results[run.key] = {
+            "rows": list(run.rows),
+            "seed": run.seed,
+            "eval": {"success": greedy, "sampled_success": greedy / 2},
+        }
     got = check_claims(spec, results)
     # TreeOPSD - GRPO per seed: 0.05, 0.06, 0.07 -> mean 0.06, sd 0.01, se 0.01/sqrt(3) = 0.00577 < 0.06 / 2
     assert got[0]["diff"] == pytest.approx((0.06, 0.01 / math.sqrt(3))) and got[0]["verdict"] == "reproduced"

@@ -6,23 +6,54 @@ import json
 from tools.fault_report import publish, render
 
 SOAK = {
-    "ok": True, "minutes": 30.0, "every": 30.0, "seed": 0, "steps": 412,
-    "store": {"trees_committed": 900, "trees_lost": 0, "trees_duplicated": 0, "trees_half_visible": 0,
-              "interrupted_commits": 3, "batches": 412},
-    "batches_trained_twice": [], "batches_skipped": [], "batches_handed_out_not_trained": 0,
-    "kills": {"sampler": 2, "store": 1}, "kill_log": [[30.1, "sampler", 1], [60.2, "store", 2],
-                                                       [90.4, "sampler", 3]],
-    "restarts": {"store": 1, "sampler": 2}, "memory_warmup_s": 120.0, "memory_window_s": 300.0,
-    "memory": {"store": {"processes": 2, "measured": 1, "longest_lived_s": 1700.4, "rss_mb": 310.2,
-                         "max_slope_mb_per_min": 0.25},
-               "sampler": {"processes": 3, "measured": 0, "longest_lived_s": 20.0, "rss_mb": 500.0,
-                           "max_slope_mb_per_min": None}},
-}  # fmt: skip
+    "ok": True,
+    "minutes": 30.0,
+    "every": 30.0,
+    "seed": 0,
+    "steps": 412,
+    "store": {
+        "trees_committed": 900,
+        "trees_lost": 0,
+        "trees_duplicated": 0,
+        "trees_half_visible": 0,
+        "interrupted_commits": 3,
+        "batches": 412,
+    },
+    "batches_trained_twice": [],
+    "batches_skipped": [],
+    "batches_handed_out_not_trained": 0,
+    "kills": {"sampler": 2, "store": 1},
+    "kill_log": [[30.1, "sampler", 1], [60.2, "store", 2], [90.4, "sampler", 3]],
+    "restarts": {"store": 1, "sampler": 2},
+    "memory_warmup_s": 120.0,
+    "memory_window_s": 300.0,
+    "memory": {
+        "store": {
+            "processes": 2,
+            "measured": 1,
+            "longest_lived_s": 1700.4,
+            "rss_mb": 310.2,
+            "max_slope_mb_per_min": 0.25,
+        },
+        "sampler": {
+            "processes": 3,
+            "measured": 0,
+            "longest_lived_s": 20.0,
+            "rss_mb": 500.0,
+            "max_slope_mb_per_min": None,
+        },
+    },
+}
 DRILL = {
-    "steps": 300, "kills": [[17, "store", 5], [120, "learner", 6]], "wall_s": 1234.4,
-    "checks": {"exit_0": True, "store_verify_clean": False}, "steps_trained": 300, "store_batches": 300,
-    "restarts": {"store": 1, "learner": 1}, "store_verify": ["ok: 1 trees"],
-}  # fmt: skip
+    "steps": 300,
+    "kills": [[17, "store", 5], [120, "learner", 6]],
+    "wall_s": 1234.4,
+    "checks": {"exit_0": True, "store_verify_clean": False},
+    "steps_trained": 300,
+    "store_batches": 300,
+    "restarts": {"store": 1, "learner": 1},
+    "store_verify": ["ok: 1 trees"],
+}
 
 
 def test_soak_and_drill_figures_come_from_their_reports(tmp_path):

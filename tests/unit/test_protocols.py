@@ -124,8 +124,12 @@ def test_qwen3_turns_store_sampled_ids_plus_the_rendered_observation(env, qtok):
     # the turn stopped at </tool_call>, so the observation closes it with <|im_end|> first (hand-worked)
     assert list(node.obs_tokens) == enc(qtok, "<|im_end|>" + QWEN3_TOOL_TURN.format(obs_text))
     # and prompt + sampled + observation is token for token the template's rendering of the conversation
-    msgs = [{"role": "system", "content": QWEN3_PROMPT}, {"role": "user", "content": task.question},
-            {"role": "assistant", "content": CALL}, {"role": "tool", "content": obs_text}]  # fmt: skip
+    msgs = [
+        {"role": "system", "content": QWEN3_PROMPT},
+        {"role": "user", "content": task.question},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": obs_text},
+    ]
     full = qtok.apply_chat_template(
         msgs, tools=env.tool_schemas(), tokenize=False, add_generation_prompt=True
     )

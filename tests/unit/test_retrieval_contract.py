@@ -116,7 +116,7 @@ def test_retriever_config_keys_and_rules():
         ("env.retriever_token=''", r"^env\.retriever_token = '' is invalid: expected a non-empty string"),
         ("env.index=splade", r"^env\.index = 'splade' is invalid: allowed values are 'bm25', 'dense'"),
         ("env.retriever_url=http://h:1", r"^env\.retriever = 'local' is invalid: expected 'service' when"),
-    ]  # fmt: skip
+    ]
     for override, message in bad:
         with pytest.raises(ConfigError, match=message):
             load_config(overrides=[override])

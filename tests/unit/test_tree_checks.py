@@ -18,8 +18,10 @@ BAD = (TreeValidationError, TreeCodecError, ValueError)
 
 
 def with_column(batch: pa.RecordBatch, name: str, values: np.ndarray) -> pa.RecordBatch:
-    cols = [pa.array(values, type=batch.schema.field(name).type) if f.name == name else batch.column(f.name)
-            for f in SCHEMA]  # fmt: skip
+    cols = [
+        pa.array(values, type=batch.schema.field(name).type) if f.name == name else batch.column(f.name)
+        for f in SCHEMA
+    ]
     return pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
 
 
@@ -61,8 +63,17 @@ def corrupt(batch: pa.RecordBatch, kind: str, row: int) -> pa.RecordBatch:
     return with_list_values(batch, kind, values)
 
 
-KINDS = ["node_id", "parent", "depth", "policy_version", "reward_nan", "reward_set", "tokens",
-         "behavior_logprobs", "loss_mask"]  # fmt: skip
+KINDS = [
+    "node_id",
+    "parent",
+    "depth",
+    "policy_version",
+    "reward_nan",
+    "reward_set",
+    "tokens",
+    "behavior_logprobs",
+    "loss_mask",
+]
 
 
 @settings(max_examples=300, deadline=None)

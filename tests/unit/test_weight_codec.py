@@ -97,14 +97,20 @@ def test_exact_header_fields():
     # crc32 per chunk (they cover every byte), none per tensor.
     payload = named["a"].tobytes() + bytes(52) + named["b"].tobytes()
     assert doc == {
-        "magic": "TOPSDW1", "format": 2, "version": 5, "checksum": "crc32", "align": 64,
-        "total_bytes": 80, "chunk_size": 32, "num_chunks": 3,
+        "magic": "TOPSDW1",
+        "format": 2,
+        "version": 5,
+        "checksum": "crc32",
+        "align": 64,
+        "total_bytes": 80,
+        "chunk_size": 32,
+        "num_chunks": 3,
         "chunk_crc32": [zlib.crc32(payload[0:32]), zlib.crc32(payload[32:64]), zlib.crc32(payload[64:80])],
         "tensors": [
             {"name": "a", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 12},
             {"name": "b", "dtype": "int64", "shape": [2], "offset": 64, "nbytes": 16},
         ],
-    }  # fmt: skip
+    }
     assert b"".join(bytes(c) for c in chunks) == payload
 
 
