@@ -31,6 +31,10 @@ def test_every_seconds_is_due_at_each_multiple_before_the_stop_and_passes_a_tick
     assert soak.due(45.0, lambda: 0)[0] == 45.0
     soak.attempted(killed=True)
     assert soak.due(61.0, lambda: 0) is None  # the tick at 60 s is the stop itself: 15, 30, 45 only
+    late = EverySeconds(every_s=10, minutes=1, roles=ROLES, seed=0)
+    assert late.due(31.0, lambda: 0)[0] == 31.0  # a poll late by 21 s: one kill, not the 3 of 10, 20, 30
+    late.attempted(killed=True)
+    assert late.due(39.9, lambda: 0) is None and late.due(40.0, lambda: 0)[0] == 40.0
     again = EverySeconds(every_s=15, minutes=1, roles=ROLES, seed=0)
     assert again.due(15.0, lambda: 0)[1] == roles  # the same seed, the same order
 
