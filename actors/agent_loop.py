@@ -12,14 +12,12 @@ has `max_turns − k` left), or the token budget (the cut turn is terminal and k
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from actors.chat import ChatFormat
 from actors.envs.base import Environment, StepResult, Task
 from actors.envs.tool_calls import ToolCall
-from system.interfaces import WeightSink
 from system.policy import PolicyBackend, SampleRequest, mix_seed
 from system.tree_build import TreeBuilder
 
@@ -55,35 +53,21 @@ class Episode:
     verifier_failed: bool = False
 
 
-def apply_new_weights(backend: PolicyBackend, weights: WeightSink | None, stats: dict[str, float]) -> bool:
-    """Where a sampler applies new weights: between turns, never inside one. Takes the newest complete,
-    verified version from `weights` (if any newer than the backend's) and loads it in place; the turns
-    sampled after this carry the new version. True when a version was applied."""
-    got = weights.poll(0) if weights is not None else None
-    if got is None or got[0] <= backend.version:
-        return False
-    t0 = time.perf_counter()
-    backend.load_weights(got[1], version=got[0])
-    stats["weights/apply_s"] = time.perf_counter() - t0
-    stats["weights/applied"] = stats.get("weights/applied", 0.0) + 1.0
-    return True
-
-
 def run_episodes(
     episodes: Sequence[Episode],
     backend: PolicyBackend,
     env: Environment,
     chat: ChatFormat,
     limits: LoopLimits,
-    weights: WeightSink | None = None,
-    stats: dict[str, float] | None = None,
+    between_rounds: Callable[[], object] | None = None,
 ) -> None:
     """Steps every episode to its end; each finished episode's last node is a leaf with its reward. Before
-    each round of turns, new weights from `weights` are applied (`apply_new_weights`)."""
-    stats = {} if stats is None else stats
+    each round of turns, `between_rounds` runs (the sampler: new weights loaded, `TreeSampler.catch_up`):
+    turns sampled after it carry the new version, and no turn is ever split between two."""
     live = [e for e in episodes if not e.done]
     while live:
-        apply_new_weights(backend, weights, stats)
+        if between_rounds is not None:
+            between_rounds()
         requests, stepping = [], []
         for e in live:
             if (req := turn_request(e, chat, limits)) is not None:

@@ -1,5 +1,5 @@
 """The backup role: raw trees in, credited trees out, as they land in the store (no Ray here; on Ray the
-driver applies `ray.remote` to this class and hands it a `RemoteStore`).
+runtime/roles.py builds one inside its actor, with a `RemoteStore`).
 
     backup = BackupWorker(store, cfg.algo)
     n = backup.run_once(max_trees=64)     # store.lease_raw → credit_rollout_tree → store.put_credited

@@ -1,6 +1,6 @@
 """The sampler role: initialize–expand rollout trees (docs/algorithm.md §2) for admitted prompts, committed to
-the store. Built from a config by `actors/sampler_setup.py:build_sampler`; a Ray actor is this class plus a
-few methods (`actors/sampler_actor.py`).
+the store. Built from a config by `actors/sampler_setup.py:build_sampler`; on Ray an actor holds one
+(runtime/sampler_role.py) and forwards its calls.
 
     sampler = TreeSampler(backend, env, ChatFormat.from_tokenizer(tok), TreeShape(M=4, N=2), LoopLimits(),
                           weights=sink, store=store, tasks=tasks, rng=np.random.default_rng(0))
@@ -19,7 +19,8 @@ as its own trajectories are done; "lockstep" (actors/agent_loop.py) steps all tr
 together, one backend call per round of turns, then all branches. Each tree draws its anchors from its own
 generator and each turn from its own seed (both derived from `rng` in task order), so both loops give the
 same trees (HF backend: the same ids; log-probs up to batched float rounding). New weights are applied
-between turns (actors/weight_gate.py; lockstep: `agent_loop.apply_new_weights`).
+between turns, and before each call (`catch_up`), always by `weight_gate.load_version`: the async loop's
+gate between turns, the lockstep loop between rounds of turns.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from actors.agent_loop import Episode, LoopLimits, apply_new_weights, run_episodes
+from actors.agent_loop import Episode, LoopLimits, run_episodes
 from actors.async_loop import EpisodeRunner, gather_or_cancel
 from actors.chat import ChatFormat
 from actors.envs.base import Environment, Task
 from actors.turn_server import BatchedTurns, as_turn_server
-from actors.weight_gate import WeightGate, WeightPoller
-from system.interfaces import StoreClient, WeightSink
+from actors.weight_gate import WeightGate, WeightPoller, load_version
+from system.interfaces import StoreClient, StoreUnavailable, WeightSink
 from system.policy import PolicyBackend, TurnServer
 from system.staleness import cut_turns
 from system.tree import RolloutTree
@@ -116,32 +117,46 @@ class TreeSampler:
     # ---- the role ----------------------------------------------------------------------------------
     def sample_and_commit(self, n: int, min_version: int = 0, wait_s: float = 60.0) -> dict[str, Any]:
         """Samples up to n admitted trees (once the weights reach `min_version`: the synchronous mode) and
-        commits them to the store; unused reservations go back. Returns counts and the metrics snapshot."""
+        commits them to the store; unused reservations go back. Returns counts and the metrics snapshot.
+        A store that cannot be reached ends the call with nothing admitted (`sampler/store_unavailable`):
+        trees a failed put_raw may still have committed stay committed (the store's own log), the others
+        were never visible, and the reservation went back before the raise or with the store's restart."""
         if self.store is None:
             raise RuntimeError("sample_and_commit needs a store (TreeSampler(..., store=...))")
-        self._wait_for_version(min_version, wait_s)
-        granted = self.store.admit(n)
-        if granted == 0:  # the learner is η versions behind: the caller backs off
-            return {"admitted": 0.0, "trees": 0.0, "metrics": self.get_metrics()}
         try:
-            trees = self.sample(granted)
-            if trees:
-                self.store.put_raw(trees)
-        except BaseException:
-            self.store.release(granted)  # give the reservation back before failing
-            raise
-        if granted > len(trees):
-            self.store.release(granted - len(trees))  # trees dropped by on_verifier_error=drop_tree
+            self.catch_up(min_version, wait_s)  # an idle sampler takes new weights here; sync mode waits
+            granted = self.store.admit(n)
+            if granted == 0:  # the learner is η versions behind: the caller backs off
+                return {"admitted": 0.0, "trees": 0.0, "metrics": self.get_metrics()}
+            try:
+                trees = self.sample(granted)
+                if trees:
+                    self.store.put_raw(trees)  # the durable commit: the store writes the bytes it receives
+            except BaseException:
+                self.store.release(granted)  # give the reservation back before failing
+                raise
+            if granted > len(trees):
+                self.store.release(granted - len(trees))  # trees dropped by on_verifier_error=drop_tree
+        except StoreUnavailable:
+            self.stats["sampler/store_unavailable"] = self.stats.get("sampler/store_unavailable", 0.0) + 1
+            return {"admitted": 0.0, "trees": 0.0, "store_unavailable": 1.0, "metrics": self.get_metrics()}
         lag = max((self.version() - min(t.versions) for t in trees), default=0)
         out = {"admitted": float(granted), "trees": float(len(trees)), "lag": float(lag)}
         return {**out, "metrics": self.get_metrics()}  # metrics ride along: no extra (blocking) call
 
-    def _wait_for_version(self, min_version: int, wait_s: float) -> None:
-        t0 = time.perf_counter()
-        apply_new_weights(self.backend, self.poller, self.stats)  # an idle sampler catches up here too
-        while self.version() < min_version and time.perf_counter() - t0 < wait_s:
-            if self.poller is not None and (got := self.poller.poll(100)) is not None:
-                self.backend.load_weights(got[1], version=got[0])
+    def catch_up(self, min_version: int = 0, wait_s: float = 0.0) -> None:
+        """Loads the newest version the publisher has sent, if newer than the backend's; waits (up to
+        `wait_s`) until the weights reach `min_version` (the synchronous mode). No turn is in flight here:
+        before a call, or between the lockstep loop's rounds."""
+        t0, poll_ms = time.perf_counter(), 0
+        while self.poller is not None:
+            got = self.poller.poll(poll_ms)
+            if got is not None and got[0] > self.version():
+                run = getattr(self.backend, "run_async", None) or asyncio.run  # vLLM: on the engine's loop
+                run(load_version(self._turn_server(), got[0], got[1], self.stats))
+            if self.version() >= min_version or time.perf_counter() - t0 >= wait_s:
+                break
+            poll_ms = 100
         self.stats["sampler/wait_for_weights_s"] += time.perf_counter() - t0
 
     def sample(self, n: int) -> list[RolloutTree]:
@@ -165,6 +180,7 @@ class TreeSampler:
     def get_metrics(self) -> dict[str, float]:
         stats = dict(self.stats)
         stats.update(getattr(self.env, "metrics", dict)())  # e.g. env/retrieval_errors (a retrieval service)
+        stats.update(getattr(self.weights, "metrics", dict)())  # e.g. weights/rejected (the subscriber)
         stats["sampler/version"] = float(self.version())
         elapsed = time.perf_counter() - self.started
         stats["sampler/idle_ratio"] = max(0.0, 1.0 - stats["sampler/busy_s"] / max(elapsed, 1e-9))
@@ -249,7 +265,7 @@ class TreeSampler:
         return p.builder.build()
 
     def _run(self, episodes: list[Episode]) -> None:
-        run_episodes(episodes, self.backend, self.env, self.chat, self.limits, self.poller, self.stats)
+        run_episodes(episodes, self.backend, self.env, self.chat, self.limits, between_rounds=self.catch_up)
 
     def _builder(self, task: Task, tree_id: str) -> TreeBuilder:
         prompt = self.chat.initial_context(self.env.system_prompt(), self.env.user_prompt(task))
@@ -281,6 +297,8 @@ class TreeSampler:
             self._tools.shutdown()
         if self.poller is not None:
             self.poller.close()
+        if callable(closer := getattr(self.weights, "close", None)):
+            closer()  # the subscriber's socket
         if isinstance(self._server, BatchedTurns):
             self._server.close()
         self.backend.close()
@@ -289,9 +307,6 @@ class TreeSampler:
 _Expand = Callable[["_Tree"], list[Episode]]
 
 
-# The coroutines are module functions, not TreeSampler methods: a class with an `async def` method becomes an
-# asyncio actor in Ray (SamplerActor subclasses TreeSampler), whose sync methods then run on a live event
-# loop where asyncio.run() is refused.
 async def _grow_all(runner: EpisodeRunner, plans: list[_Tree], expand: _Expand) -> None:
     await runner.drive(gather_or_cancel(*(_grow(runner, p, expand) for p in plans)))
 

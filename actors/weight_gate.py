@@ -7,6 +7,9 @@ for as short as possible, and every turn sampled by exactly one version.
     ... await server.generate_turn(req) ...
     gate.turn_ended()
 
+`load_version` is the one place a sampler's weights change: the gate calls it between turns, and the
+sampler (actors/tree_sampler.py:catch_up) before a call and between the lockstep loop's rounds.
+
 A version that arrives is first checked and staged where the server can do that ahead (vLLM's
 `prepare_weights`, in a worker thread while turns still run), then it closes the gate: no new turn starts,
 the turns being generated run to their end (each keeps the version it started with), then the version is
@@ -30,6 +33,15 @@ from system.interfaces import WeightSink
 from system.policy import TurnServer
 
 Got = tuple[int, dict[str, Any]] | None
+
+
+async def load_version(server: TurnServer, version: int, tensors: Any, stats: dict[str, float]) -> None:
+    """Loads `version` in place (`server.apply_weights`), timed (`weights/apply_s`, the last load) and
+    counted (`weights/applied`). Callers make sure no turn is being generated meanwhile."""
+    t0 = time.perf_counter()
+    await server.apply_weights(tensors, version)
+    stats["weights/apply_s"] = time.perf_counter() - t0
+    stats["weights/applied"] = stats.get("weights/applied", 0.0) + 1.0
 
 
 class WeightPoller:
@@ -143,10 +155,7 @@ class WeightGate:
         self.due.set()
         try:
             await self._idle.wait()
-            t1 = time.perf_counter()
-            await self.server.apply_weights(tensors, version)
-            self.stats["weights/apply_s"] = time.perf_counter() - t1
-            self.stats["weights/applied"] = self.stats.get("weights/applied", 0.0) + 1.0
+            await load_version(self.server, version, tensors, self.stats)
         finally:
             self.due.clear()
             self._open.set()

@@ -133,6 +133,10 @@ class WeightSubscriber:
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, **self._stats}
 
+    def metrics(self) -> dict[str, float]:
+        """For the sampler's metrics: versions refused (a bad hash, a stale or foreign publisher)."""
+        return {"weights/rejected": float(self._stats.get("rejected", 0))}
+
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.send(BYE, zmq.NOBLOCK)

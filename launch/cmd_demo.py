@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
-    from launch.cmd_train import evaluate_split, prepare_run_dir, train
+    from launch.cmd_train import evaluate_split, prepare_run_dir
     from runtime.model_setup import ModelPathError, resolve_model
+    from runtime.ray_run import train
 
     started = time.perf_counter()
     extra = list(args.overrides)
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"[3/4] asynchronous {cfg.algo.method} training on local Ray, {cfg.run.steps} steps", file=sys.stderr
     )
-    summary = train(cfg, model_path, progress=cfg.logging.progress)
+    summary = train(cfg, model_path)
     print("[4/4] evaluating the trained model", file=sys.stderr)
     after = evaluate_split(cfg, summary["checkpoint"])
     report = demo_report(before, after, summary, Path(run_dir))

@@ -94,54 +94,6 @@ def prepare_run_dir(cfg: Any, resume: bool) -> Path:
     return run_dir
 
 
-def train(cfg: Any, model_path: str, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Runs the Ray topology to cfg.run.steps learner steps; returns the summary (also summary.json)."""
-    import ray
-    from tqdm.auto import tqdm
-
-    from runtime.driver import Driver, init_ray, start_topology, stop_topology
-    from runtime.leftovers import reap_dead_run, record_local_ray
-    from runtime.signals import Abort, GracefulStop, finish_step
-    from storage.durable import write_atomic
-    from storage.tracking import run_sink
-
-    run_dir = Path(cfg.run.run_dir)
-    reap_dead_run(run_dir)  # what a SIGKILLed driver of this run left behind (runtime/leftovers.py)
-    init_ray(cfg)
-    sink = run_sink(cfg, run_dir)
-    if cfg.logging.tensorboard:
-        print(
-            f"watch it: tensorboard --logdir {(run_dir / 'tb').resolve()} --host 127.0.0.1", file=sys.stderr
-        )
-    with GracefulStop() as stop:  # after init_ray: replaces Ray's SIGTERM handler (runtime/signals.py)
-        topo = start_topology(cfg, model_path, resume)
-        record_local_ray(run_dir)
-        try:
-            with tqdm(total=cfg.run.steps, desc=cfg.run.name, unit="step", disable=not progress) as bar:
-                driver = Driver(cfg, topo, sink, bar)
-                driver.stop_requested = stop.requested
-                bar.update(driver.step)
-                summary = driver.run(cfg.run.steps)
-                if stop.signum is not None and not finish_step(driver):
-                    raise Abort(stop.signum)  # the step did not end: abandoned, the newest checkpoint stands
-            summary["steps_this_run"] += driver.step - summary["steps"]
-            summary.update(steps=driver.step, stopped_by=stop.name() or None)
-            summary["checkpoint"] = driver.supervisor.save_final(driver)  # every rank's shards
-            summary["store"] = ray.get(topo.store.stats.remote())
-        except Abort:
-            ray.shutdown()  # every actor of the run killed at once; what they wrote is atomic
-            topo = None
-            raise
-        finally:
-            if topo is not None:
-                stop_topology(topo)
-            sink.close()
-    tb = str(run_dir / "tb") if cfg.logging.tensorboard else None
-    summary.update({"name": cfg.run.name, "run_dir": str(run_dir), "tensorboard": tb, "mode": cfg.run.mode})
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str).encode())
-    return summary
-
-
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError
     from runtime.model_setup import ModelPathError, resolve_model
@@ -162,12 +114,14 @@ def run(args: argparse.Namespace) -> int:
     prepare_run_dir(cfg, args.resume)
     before = evaluate_split(cfg, model_path) if args.eval else None
     from runtime.learner_group import LearnerRankError
+    from runtime.ray_run import ray_training
     from runtime.restart_policy import RoleFailed, resume_command
     from runtime.signals import Abort
 
     again = resume_command(sys.argv[1:], cfg.run.run_dir)
     try:
-        summary = train(cfg, model_path, resume=args.resume, progress=cfg.logging.progress)
+        with ray_training(cfg, model_path, resume=args.resume) as driver:
+            summary = driver.finish(driver.run(cfg.run.steps))
     except ConfigError as e:  # e.g. a pool that no node of the cluster provides
         print(f"treeopsd train: {e}", file=sys.stderr)
         return 2

@@ -123,6 +123,17 @@ def padding_stats(batches: list) -> dict[str, float]:
     return {"learner/pad_frac": (columns - real) / max(columns, 1), "learner/forwarded_tokens": float(real)}
 
 
+def nonfinite_turns(batches: list[PackedBatch]) -> list[int]:
+    """[turns with a non-finite μ on an owned loss token, turns] over `batches` (docs/algorithm.md §10)."""
+    affected = total = 0
+    for p in batches:
+        on = p.owned & (p.turn_ids >= 0)
+        bad = on & ~torch.isfinite(p.behavior_logp)
+        total += int(torch.unique(p.turn_ids[on]).numel())
+        affected += int(torch.unique(p.turn_ids[bad]).numel())
+    return [affected, total]
+
+
 def microbatch_stats(
     packed: PackedBatch, logp: torch.Tensor, stats: dict[str, float], version: int | None
 ) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """The learner role: one fixed rollout batch per step, sequential mini-batches, one optimizer step each
-(no Ray; on Ray, learner/learner_actor.py is this class plus a few methods).
+(no Ray; on Ray an actor holds one: runtime/learner_roles.py).
 
 Data flow (docs/design.md §1)::
 
@@ -18,20 +18,15 @@ Data flow (docs/design.md §1)::
     checkpoint  every `learner.checkpoint_every` steps: weights, optimizer, RNG, version and the watermark
     log         the returned dict of `learner/...` floats → the metrics sink (the caller)
 
-The step count is the version: one step, one version (a resumed run restores it with the checkpoint).
-Run it in-process::
+The step count is the version (a resumed run restores it with the checkpoint). In-process::
 
     learner = Learner(model, cfg, store=store, weights=channel)
     learner.start(resume=False)             # publishes version 0 (or restores the newest checkpoint)
     stats = learner.train_step()            # None until B credited trees wait in the store
     stats = learner.step(trees)             # the training part alone, on any trees
 
-Mismatch (`learner/mismatch_kl`): over the owned loss tokens of turns sampled by the weights the learner
-holds (a stale turn's gap is the policy's own change, not the mismatch; a batch with no such turn logs none),
-the mean of stored − learner log-prob, i.e. the k1 estimate of KL(μ_sampler ‖ π_learner), and
-`learner/mismatch_kl_k3` = mean(r − 1 − log r) with r = π_learner/μ_sampler (k3: non-negative, lower
-variance). With recompute it covers the whole batch; with the sampler's log-probs it comes for free from the
-first mini-batch, whose forward runs at θ_old.
+Mismatch (`learner/mismatch_kl`, k1, and `learner/mismatch_kl_k3`): stored μ against the learner's π over
+the turns sampled by the weights it holds (learner/diagnostics.py:mismatch_sums; docs/algorithm.md §11.1).
 """
 
 from __future__ import annotations
@@ -50,6 +45,7 @@ from learner.device import adamw, attention_for, compute_scope, learner_device, 
 from learner.diagnostics import (
     combine_microbatches,
     microbatch_stats,
+    nonfinite_turns,
     padding_stats,
     summarize_minibatches,
 )
@@ -65,7 +61,14 @@ from learner.minibatch import (
 )
 from learner.packing import PackedBatch
 from learner.reference_pass import reference_pass
-from storage.checkpoint import DCP_FORMAT, Checkpoint, checkpoint_bytes, load_latest, save_checkpoint
+from storage.checkpoint import (
+    DCP_FORMAT,
+    Checkpoint,
+    checkpoint_bytes,
+    checkpointed_metrics,
+    load_latest,
+    save_checkpoint,
+)
 from storage.dcp_checkpoint import restore_dcp
 from system.credit import is_zero_variance, no_signal_stats
 from system.depth_correction import depth_weights
@@ -74,13 +77,6 @@ from system.microbatch import Piece
 from system.policy import SamplingConfig
 from system.staleness import batch_metrics, version_lags
 from system.tree import RolloutTree, check_nonfinite_fraction
-
-
-def checkpointed_metrics(ckpt: Checkpoint) -> dict[str, float] | None:
-    """The metrics of the step a checkpoint holds (None in a checkpoint written before a step, or by an
-    older version)."""
-    kept = ckpt.extra.get("step_metrics")
-    return {str(k): float(v) for k, v in kept.items()} if isinstance(kept, dict) else None
 
 
 class Learner:
@@ -180,6 +176,20 @@ class Learner:
     def pop_lags(self) -> list[int]:
         lags, self.lag_history = self.lag_history, []
         return lags
+
+    def progress(self) -> dict[str, int]:
+        return {"step": self.version, "version": self.version}
+
+    def endpoint(self) -> tuple[str, bytes | None]:
+        """Where the samplers subscribe: the weight publisher's address and public key."""
+        return self.weights.endpoint, self.weights.public_key  # type: ignore[union-attr]
+
+    def save_final(self) -> str:
+        return str(self.save(self.cfg.run.run_dir))
+
+    def stop(self) -> None:
+        if callable(close := getattr(self.weights, "close", None)):
+            close()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
@@ -308,13 +318,7 @@ class Learner:
     def _check_nonfinite(self, batches: list[PackedBatch]) -> None:
         """Refuses the batch when too many turns (over every rank) have a non-finite μ on an owned loss token
         (docs/algorithm.md §10); the sharded learner's padding passes are not batches and are skipped."""
-        affected = total = 0
-        for p in (b for b in batches if isinstance(b, PackedBatch)):
-            on = p.owned & (p.turn_ids >= 0)
-            bad = on & ~torch.isfinite(p.behavior_logp)
-            total += int(torch.unique(p.turn_ids[on]).numel())
-            affected += int(torch.unique(p.turn_ids[bad]).numel())
-        parts = self._all_ranks([affected, total])
+        parts = self._all_ranks(nonfinite_turns([b for b in batches if isinstance(b, PackedBatch)]))
         limit = self.cfg.algo.nonfinite_turn_limit
         check_nonfinite_fraction(sum(int(a) for a, _ in parts), sum(int(t) for _, t in parts), limit)
 

@@ -17,7 +17,7 @@ whole mini-batch (learner/minibatch.py) — and trains only its share of each mi
 The sum over ranks of the shares is the one-shot loss, so R ranks train the same step as one rank up to float
 rounding (tests/ray/test_learner_group.py: ≤ 1e-5 in fp32). Weights for the broadcast are one full state dict
 gathered on rank 0, which alone publishes; checkpoints are torch DCP shards (storage/dcp_checkpoint.py).
-The process group must be up before construction (learner/rank_actor.py, or any script that runs
+The process group must be up before construction (runtime/learner_roles.py, or any script that runs
 `distributed.init_process_group`).
 """
 
@@ -48,10 +48,10 @@ from learner.distributed import (
     shard_model,
 )
 from learner.forward import attention_scope
-from learner.learner import Learner, checkpointed_metrics
+from learner.learner import Learner
 from learner.minibatch import microbatch_pieces
 from learner.packing import PackedBatch
-from storage.checkpoint import Checkpoint, load_latest, verify_checkpoint
+from storage.checkpoint import Checkpoint, checkpointed_metrics, load_latest, verify_checkpoint
 from storage.dcp_checkpoint import restore_into, save_dcp_checkpoint
 from storage.tree_codec import decode_ipc, encode_ipc
 from system.microbatch import Piece, first_fit_decreasing
@@ -196,6 +196,14 @@ class ShardedLearner(Learner):
         if self.rank == 0 and self.store is not None:
             self.store.set_learner_version(self.version)
         return time.perf_counter() - t0
+
+    def progress(self) -> dict[str, int]:
+        return {**super().progress(), "rank": self.rank}
+
+    def stop(self) -> None:
+        super().stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def restore(self, run_dir: str | Path) -> Checkpoint | None:
         """Rank 0 picks the newest valid checkpoint, every rank loads it (either format; DCP reshards to

@@ -4,8 +4,9 @@
         ▲                   │ take_batch (fixed B trees, exactly once)
         └── ZeroMQ weights ◀┴── learner ── checkpoint (weights, optimizer, RNG, store watermark)
 
-The roles are placed and started by runtime/topology.py and restarted by runtime/supervision.py; this module
-is the driver that schedules them.
+The roles are placed and started by runtime/topology.py; this module is the driver that schedules them.
+When a role fails, runtime/supervision.py decides (restart it, re-sync the learner, replace the samplers,
+or stop with a message: `RoleFailed`) and returns the decision; the driver applies it to its own state.
 
 The driver only schedules calls and moves metrics to tensorboard; data goes actor to actor (trees as Arrow
 IPC bytes through the object store, weights over ZeroMQ). Asynchronous by default: samplers run ahead of
@@ -29,7 +30,8 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from actors.failures import SamplerFailure, from_ray_error
 from configs.schema import Config
 from runtime.learner_group import LearnerRankError
-from runtime.supervision import Supervisor
+from runtime.signals import Abort
+from runtime.supervision import Resync, Supervisor
 from runtime.topology import (  # noqa: F401  (the Ray run's names, re-exported for its callers)
     Topology,
     init_ray,
@@ -38,6 +40,7 @@ from runtime.topology import (  # noqa: F401  (the Ray run's names, re-exported 
     start_topology,
     stop_topology,
 )
+from storage.durable import write_atomic
 from system.interfaces import MetricsSink
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,7 @@ def read_control(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 class Driver:
     """Schedules the roles until the learner has done `steps` steps (or the time limit passes)."""
 
-    def __init__(self, cfg: Config, topo: Topology, sink: MetricsSink, progress=None) -> None:
+    def __init__(self, cfg: Config, topo: Topology, sink: MetricsSink, progress=None, stop=None) -> None:
         self.cfg, self.topo, self.sink, self.progress = cfg, topo, sink, progress
         self.metrics = MetricsLogger()
         self.step = int(ray.get(topo.learner.progress.remote())["version"])  # one step, one version
@@ -72,9 +75,14 @@ class Driver:
         self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
         self.last_flush = time.perf_counter()
         self.supervisor = Supervisor(cfg, topo)  # restarts store, backup, learner (runtime/supervision.py)
-        self.stop_requested = lambda: False  # runtime/signals.py: True once SIGINT/SIGTERM asked for a stop
+        self.stop = stop  # runtime/signals.py: GracefulStop, set once SIGINT/SIGTERM asked for a stop
+        self.stop_requested = stop.requested if stop is not None else lambda: False
+        self.learner_call: list[Any] | None = None  # the train_step in flight on every learner rank
+        self.backup_call: Any = None  # the backup's run_once in flight
 
     def run(self, steps: int) -> dict[str, Any]:
+        """The tick loop: samplers, backup and learner each kept busy with one call, until the learner has
+        reached `steps` (or the time limit passes, or a signal asked for a stop)."""
         t0, started_at, self.target = time.perf_counter(), self.step, steps
         limit = self.cfg.run.time_limit_s
         over = lambda: bool(limit and time.perf_counter() - t0 > limit) or self.stop_requested()  # noqa: E731
@@ -83,7 +91,8 @@ class Driver:
             self._check_control()
             self._tick_samplers()
             self._tick_backup()
-            self._tick_learner()
+            if self._learner_idle() and self.step < self.target:  # one train_step on every learner rank
+                self.learner_call = self.topo.learners.call("train_step", 0.05)
             if time.perf_counter() - self.last_flush > 2.0:
                 self.flush()
         self.flush()
@@ -139,7 +148,7 @@ class Driver:
         for result in self.topo.manager.fetch_ready_async_reqs(timeout_seconds=0.05):
             if not result.ok:  # the actor died mid-call: its reservation goes back, Ray restarts it
                 self.sampler_failures += 1
-                self.supervisor.store_call(self, "release", self.cfg.sampler.prompts_per_request)
+                self.supervisor.store_call(self.step, "release", self.cfg.sampler.prompts_per_request)
                 failure, explained = from_ray_error(result.get(), self.cfg)
                 log.warning("sampler %s failed: %s", result.actor_id, failure)
                 self.last_failure = failure
@@ -159,43 +168,100 @@ class Driver:
                 self.sampler_metrics.pop(actor_id, None)
 
     def _tick_backup(self) -> None:
-        ref = self.topo.refs.get("backup")
+        ref = self.backup_call
         if ref is None or ray.wait([ref], timeout=0)[0]:
             if ref is not None:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayError as e:  # the backup, or the store under it, was lost
-                    self.supervisor.backup_failed(self, e)
-            self.topo.refs["backup"] = self.topo.backup.run_once.remote(64, 0.2)
+                    self.supervisor.backup_failed(self.step, e)
+            self.backup_call = self.topo.backup.run_once.remote(64, 0.2)
 
-    def _tick_learner(self) -> None:
+    def _learner_idle(self) -> bool:
+        """True when no learner step is in flight: the last one's metrics are logged, or its failure handled
+        (the supervisor's decision applied)."""
+        if self.learner_call is None:
+            return True
         try:
-            self._step_learner()
-        except (ray.exceptions.RayError, LearnerRankError) as e:  # re-synced or restarted from its checkpoint
-            self.supervisor.learner_failed(self, e)
+            done, out = self.topo.learners.poll(self.learner_call, timeout_s=0.05)  # a failed rank raises
+        except (ray.exceptions.RayError, LearnerRankError) as e:  # re-synced or restarted from a checkpoint
+            self.learner_call = None
+            self.apply(self.supervisor.learner_failed(self.step, e))
+            return True
+        if done:
+            self.learner_call = None
+            self._trained(out)
+        return done
 
-    def _step_learner(self) -> None:
-        refs, group, out = self.topo.refs.get("learner"), self.topo.learners, None
-        assert group is not None
-        if refs is not None:
-            done, out = group.poll(refs, timeout_s=0.05)  # a failed learner rank raises here, named
-            if not done:
-                return
-        if out is not None:
-            self.step = int(out["learner/version"])
-            self.sink.log(out, self.step)
-            self.supervisor.trained(out)
-            self.sink.histogram("store/version_lag", ray.get(self.topo.learner.pop_lags.remote()), self.step)
-            if self.progress is not None:
-                self.progress.update(1)
-                self.progress.set_postfix(
-                    reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
-                )
-            if getattr(self.progress, "disable", True) and self.step % self.cfg.logging.log_every == 0:
-                line = step_line(out, self.step, self.cfg.run.steps)  # no bar: a line every log_every steps
-                print(line, file=sys.stderr, flush=True)
-        more = self.step < self.target
-        self.topo.refs["learner"] = group.call("train_step", 0.05) if more else None  # on every rank
+    def _trained(self, out: dict[str, Any] | None) -> None:
+        """A finished learner step: its metrics logged, the progress bar or step line moved."""
+        if out is None:
+            return
+        self.step = int(out["learner/version"])
+        self.sink.log(out, self.step)
+        self.supervisor.trained(out)
+        self.sink.histogram("store/version_lag", ray.get(self.topo.learner.pop_lags.remote()), self.step)
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(
+                reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
+            )
+        if getattr(self.progress, "disable", True) and self.step % self.cfg.logging.log_every == 0:
+            line = step_line(out, self.step, self.cfg.run.steps)  # no bar: a line every log_every steps
+            print(line, file=sys.stderr, flush=True)
+
+    def apply(self, decision: Resync) -> None:
+        """A supervisor's decision after a learner failure: the learner's version is the step from now on
+        (a step trained but never logged is logged from the learner's own record); samplers subscribed to
+        a weight endpoint that is gone retire after their current call and as many new ones start."""
+        if decision.step_metrics is not None:
+            self.sink.log(decision.step_metrics, decision.version)
+        self.step = decision.version
+        if self.progress is not None:
+            self.progress.n = decision.version
+            self.progress.refresh()
+        if decision.replace_samplers:
+            active = [i for i in self.topo.manager.actor_ids() if i not in self.retiring]
+            self.retiring |= set(active)
+            scale_samplers(self.topo, self.cfg, len(active), frozenset(self.retiring))
+
+    def finish_step(self, finish_s: float = 600.0) -> bool:
+        """Lets the learner step in flight end (its metrics logged) without starting another; True when it
+        did within `finish_s` (else it is abandoned: the final checkpoint holds the steps before it)."""
+        self.target, deadline = self.step, time.monotonic() + finish_s
+        while not self._learner_idle():
+            if time.monotonic() > deadline:
+                return False
+        return True
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """After `run`: the step in flight ended when a signal stopped the run (else `Abort`), the final
+        checkpoint, the store's counts; the summary, also written to RUN_DIR/summary.json."""
+        signum = None if self.stop is None else self.stop.signum
+        if signum is not None and not self.finish_step():
+            raise Abort(signum)  # the step did not end: abandoned, the newest checkpoint stands
+        summary["steps_this_run"] += self.step - summary["steps"]
+        summary.update(steps=self.step, stopped_by=None if self.stop is None else self.stop.name() or None)
+        summary["checkpoint"] = self.save_final()  # every rank's shards
+        summary["store"] = ray.get(self.topo.store.stats.remote())
+        cfg, run_dir = self.cfg, Path(self.cfg.run.run_dir)
+        tb = str(run_dir / "tb") if cfg.logging.tensorboard else None
+        summary.update(
+            {"name": cfg.run.name, "run_dir": str(run_dir), "tensorboard": tb, "mode": cfg.run.mode}
+        )
+        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str).encode())
+        return summary
+
+    def save_final(self, tries: int = 3) -> str:
+        """The final checkpoint (every rank's shards), through a store or learner lost at the last moment."""
+        for _ in range(tries):
+            self.supervisor.check_store(self.step)
+            group = self.topo.learners
+            try:
+                return str(group.wait(group.call("save_final")))
+            except (ray.exceptions.RayError, LearnerRankError) as e:
+                self.apply(self.supervisor.learner_failed(self.step, e))  # then the save is asked again
+        raise self.supervisor.final_checkpoint_failed()
 
     def flush(self) -> None:
         """Role metrics → MetricsLogger (sum of counters / mean of rates across samplers) → tensorboard."""
@@ -206,8 +272,8 @@ class Driver:
                 reduce = "mean" if key.endswith(("_per_s", "version", "ratio")) else "sum"
                 self.metrics.log_value(key, value, reduce=reduce, window=max(len(snapshots), 1))
         backup = self.supervisor.backup_metrics()  # short wait at most: run_once is quick
-        self.supervisor.check_store(self)  # a store restarted by Ray is counted and told the learner version
-        store = self.supervisor.store_call(self, "stats")
+        self.supervisor.check_store(self.step)  # a store restarted by Ray: counted, told the learner version
+        store = self.supervisor.store_call(self.step, "stats")
         values = {k: float(s.peek()) for k, s in self.metrics.reduce().items()}
         values.update(backup)
         values.update(_store_metrics(store))

@@ -28,9 +28,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs.schema import Config, ConfigError
-from learner.learner_actor import LearnerActor
-from learner.rank_actor import LearnerRankActor
-from storage.role_log import with_role_log
+from runtime.learner_roles import LearnerActor, LearnerRankActor
+from runtime.remote import RoleLog, run_remote, start_actor
 
 log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
@@ -182,20 +181,23 @@ def start_learner_group(
     """The learner role on Ray (module docstring); returns once every rank has started (and resumed)."""
     ranks, timeout = cfg.learner.ranks, cfg.learner.collective_timeout_s
     if ranks == 1:
-        role = with_role_log(LearnerActor, cfg.run.run_dir, "learner")  # RUN_DIR/logs/learner-0.log
-        actor = ray.remote(role).options(**options).remote(data, model_path, store, resume)
-        return LearnerGroup([actor], timeout)
+        log_to = RoleLog(cfg.run.run_dir, "learner")  # RUN_DIR/logs/learner-0.log
+        return LearnerGroup(
+            [start_actor(LearnerActor, log_to, options, data, model_path, store, resume)], timeout
+        )
     pg = _placement(cfg, ranks, options)
 
     def strategy(rank: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
 
-    address = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=strategy(0)).remote())
+    address = run_remote(_rendezvous, {"num_cpus": 0, "scheduling_strategy": strategy(0)})
     opts = {**options, "num_cpus": max(float(options["num_cpus"]), 0.01)}
-    cls = ray.remote(with_role_log(LearnerRankActor, cfg.run.run_dir, "learner", index_arg=3))  # arg 3: rank
     actors = [
-        cls.options(**opts, scheduling_strategy=strategy(r)).remote(
-            data, model_path, store, r, ranks, address, resume
+        start_actor(
+            LearnerRankActor,
+            RoleLog(cfg.run.run_dir, "learner", r),  # RUN_DIR/logs/learner-<rank>.log
+            {**opts, "scheduling_strategy": strategy(r)},
+            *(data, model_path, store, r, ranks, address, resume),
         )
         for r in range(ranks)
     ]

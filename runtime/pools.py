@@ -2,7 +2,7 @@
 
 A pool is a Ray custom resource `pool_<name>` that a node declares when it starts
 (`launch/cluster.sh worker --pool sample=1` runs `ray start ... --resources '{"pool_sample": 1}'`); a role
-with `resources.<role>.pool = name` asks for a sliver of it (launch/topology.role_options), so Ray only
+with `resources.<role>.pool = name` asks for a sliver of it (runtime/topology.role_options), so Ray only
 places that role on nodes of the pool. A pool that no node provides would leave the role's actors pending
 forever, so `check_pools(cfg)` rejects it before any actor starts:
 

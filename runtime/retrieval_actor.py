@@ -28,12 +28,15 @@ import ray
 from actors.envs.retrieval_index import open_index
 from actors.envs.retrieval_server import RetrievalServer, resolve_token
 from configs.schema import Config, ConfigError
+from runtime.remote import host_class, start_actor
 from storage.durable import write_atomic
 
 log = logging.getLogger(__name__)
 
 
-class RetrievalActor:
+class RetrievalService:
+    """The role: the corpus's index served over HTTP from a thread of this process."""
+
     def __init__(
         self, corpus: str, kind: str, index_dir: str | None, encoder: str | None, host: str, token: str | None
     ) -> None:
@@ -51,12 +54,12 @@ class RetrievalActor:
     def describe(self) -> dict[str, Any]:
         return dict(self.info)
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def stop(self) -> None:
         """Closes the server: later searches are refused (the samplers' tool-error path)."""
         self.server.stop()
+
+
+RetrievalActor = host_class("RetrievalActor", RetrievalService, RetrievalService)  # runtime/remote.py
 
 
 def service_corpus(cfg: Config) -> tuple[Path, Path | None]:
@@ -102,11 +105,9 @@ def start_retrieval_service(cfg: Config, data: dict[str, Any]) -> Any | None:
         raise ConfigError(f"env.encoder = {e.encoder!r} is invalid: expected a local encoder folder")
     corpus, index_dir = service_corpus(cfg)
     host, token = _bind(cfg)
-    actor = (
-        ray.remote(RetrievalActor)
-        .options(num_cpus=0, max_restarts=0)
-        .remote(str(corpus), e.index, None if index_dir is None else str(index_dir), e.encoder, host, token)
-    )
+    where = None if index_dir is None else str(index_dir)
+    options = {"num_cpus": 0, "max_restarts": 0}
+    actor = start_actor(RetrievalActor, None, options, str(corpus), e.index, where, e.encoder, host, token)
     try:
         url = ray.get(actor.url.remote())
     except ray.exceptions.RayError as exc:

@@ -2,10 +2,10 @@
 a second one stops at once.
 
     with GracefulStop() as stop:           # installed after ray.init (Ray's own SIGTERM handler is replaced)
-        driver.stop_requested = stop.requested
+        driver = Driver(cfg, topo, sink, bar, stop)     # runtime/ray_run.py
         driver.run(steps)                  # returns after the tick in which the signal came
-        if stop.signum: finish_step(driver)   # the in-flight learner step ends, its metrics logged
-        ...save_final; stop_topology       # final checkpoint, every role stopped
+        driver.finish(summary)             # the in-flight learner step ends, its metrics logged; final
+        ...stop_topology                   # checkpoint; every role stopped
 
 First signal: nothing new starts; the learner's step in flight runs to its end (a step waiting for a batch
 returns within a tick), then the final checkpoint is written (weights, optimizer, RNG, the store watermark =
@@ -23,7 +23,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 from types import FrameType
 from typing import Any
 
@@ -79,15 +78,3 @@ class GracefulStop:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old.clear()
-
-
-def finish_step(driver: Any, finish_s: float = 600.0) -> bool:
-    """Lets the learner step in flight end (its metrics logged) without starting another; True when it did
-    within `finish_s` (else it is abandoned: the final checkpoint then holds the steps before it)."""
-    driver.target = driver.step
-    deadline = time.monotonic() + finish_s
-    while driver.topo.refs.get("learner") is not None:
-        if time.monotonic() > deadline:
-            return False
-        driver._tick_learner()
-    return True

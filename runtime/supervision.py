@@ -1,10 +1,12 @@
-"""Self-healing roles on Ray (docs/design.md, "Supervision"): the driver's `Supervisor` restarts what died.
+"""Self-healing roles on Ray (docs/design.md, "Supervision"): the driver's `Supervisor` restarts what died
+and returns what the driver must do about it; it never writes the driver's state.
 
-    sup = Supervisor(cfg, topo)        # the driver holds one (launch/ray_run.Driver)
-    sup.backup_failed(driver, err)     # a new backup actor; its leased trees come back on their own
-    sup.check_store(driver)            # a store restarted by Ray (new pid): counted, learner version re-told
-    sup.learner_failed(driver, err)    # keep and re-sync a live learner, or restart it from its checkpoint
-    sup.metrics()                      # supervision/restarts_<role>, for tensorboard
+    sup = Supervisor(cfg, topo)                  # the driver holds one (runtime.driver.Driver)
+    sup.backup_failed(step, err)                 # a new backup actor; its leased trees come back on their own
+    sup.check_store(step)                        # a store restarted by Ray (new pid): counted, told the step
+    decision = sup.learner_failed(step, err)     # keep and re-sync a live learner, or restart it: a `Resync`
+    driver.apply(decision)                       # the driver's step, progress and samplers follow it
+    sup.metrics()                                # supervision/restarts_<role>, for tensorboard
 
 Who restarts what:
   * samplers: Ray (`sampler.max_restarts`) under RLlib's FaultTolerantActorManager, as before;
@@ -30,6 +32,7 @@ import logging
 import re
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -44,9 +47,20 @@ from runtime.restart_policy import (
     failure_kind,
     learner_action,
 )
-from runtime.topology import role_options, scale_samplers, start_backup
+from runtime.topology import role_options, start_backup
 
 log = logging.getLogger("treeopsd.supervision")
+
+
+@dataclass(frozen=True)
+class Resync:
+    """The supervisor's decision after a learner failure, for the driver to apply (`Driver.apply`)."""
+
+    version: int  # the learner's version: the driver's step from now on
+    step_metrics: dict[str, float] | None = None  # step `version` trained but its call failed: log these
+    replace_samplers: bool = False  # the weight endpoint moved: retire the active samplers, start as many
+
+
 STORE_WAIT_S = 600.0  # a restarted store reopens its directory first: that scans every segment
 LEARNER_PING_S = 60.0
 
@@ -139,7 +153,7 @@ class Supervisor:
                 last = self.last_store_error or brief(e)
             raise RoleFailed("store", self.restarts["store"], self.cfg.run.max_store_restarts, last)
 
-    def check_store(self, driver: Any) -> None:
+    def check_store(self, step: int) -> None:
         """Waits until the store answers; a new pid means Ray restarted it: counted, and the learner's version
         told again (a reopened store starts at version 0, which would shut admission)."""
         pid = self._store_pid()
@@ -150,24 +164,24 @@ class Supervisor:
         n = max(1, (gcs_restarts(store_id) or 0) - self.restarts["store"])  # killed while restarting
         self._restarted("store", self.last_store_error or "its process exited", n)
         self.last_store_error = ""
-        ray.get(self.topo.store.set_learner_version.remote(driver.step))
+        ray.get(self.topo.store.set_learner_version.remote(step))
 
-    def store_call(self, driver: Any, method: str, *args: Any) -> Any:
+    def store_call(self, step: int, method: str, *args: Any) -> Any:
         """A driver's call on the store that survives one store restart (the call is repeated once)."""
         try:
             return ray.get(getattr(self.topo.store, method).remote(*args))
         except ray.exceptions.RayActorError as e:
             self.last_store_error = brief(e)
-            self.check_store(driver)
+            self.check_store(step)
             return ray.get(getattr(self.topo.store, method).remote(*args))
 
     # ---- the backup -----------------------------------------------------------------------------------
-    def backup_failed(self, driver: Any, error: BaseException) -> None:
+    def backup_failed(self, step: int, error: BaseException) -> None:
         """A failed `run_once`: lost store → wait for it; the backup dead or raising → a new backup."""
         kind = kind_of(error)
         if kind == "store":
             self.last_store_error = brief(error)
-            self.check_store(driver)
+            self.check_store(step)
             return
         cause = brief(error)
         self.budgets["backup"].record(cause)
@@ -186,36 +200,36 @@ class Supervisor:
             return {}
 
     # ---- the learner ----------------------------------------------------------------------------------
-    def learner_failed(self, driver: Any, error: BaseException) -> None:
+    def learner_failed(self, step: int, error: BaseException) -> Resync:
+        """A failed learner call: the live learner kept and re-synced, or every rank restarted."""
         kind, cause = kind_of(error), brief(error)
-        self.topo.refs["learner"] = None
         log.warning("learner step failed (%s): %s", kind, cause)
         if kind == "raised":  # its own exception: the whole remote traceback, for the bug report
             log.warning("%s", error)
         if learner_action(kind, self.cfg.learner.ranks) == "reconcile":
             self.last_store_error = cause
-            if self._reconcile(driver):
-                return
-        self.restart_learner(driver, cause)
+            version = self._reconcile(step)
+            if version is not None:
+                return self._resync(step, version)
+        return self.restart_learner(step, cause)
 
-    def _reconcile(self, driver: Any) -> bool:
+    def _reconcile(self, step: int) -> int | None:
         """Keeps the live learner: the store goes back to the learner's version (watermark = version: one
-        batch per step). False when the learner does not answer or the store is behind it."""
-        self.check_store(driver)
+        batch per step); that version, or None when the learner does not answer or the store is behind it."""
+        self.check_store(step)
         try:
             version = int(ray.get(self.topo.learner.progress.remote(), timeout=LEARNER_PING_S)["version"])
         except (ray.exceptions.RayError, TimeoutError):
-            return False
+            return None
         watermark = int(ray.get(self.topo.store.watermark.remote()))
         if watermark < version:
-            return False
+            return None
         if watermark > version:
             ray.get(self.topo.store.rewind_to.remote(version))
         self.step_retries += 1
-        self._resync(driver, version)
-        return True
+        return version
 
-    def restart_learner(self, driver: Any, cause: str) -> None:
+    def restart_learner(self, step: int, cause: str) -> Resync:
         """Stops every rank, starts the learner again from its newest checkpoint (store rewound to its
         watermark; to 0 when there is none), tries again within the budget while a start fails."""
         while True:
@@ -223,7 +237,7 @@ class Supervisor:
             self._restarted("learner", cause)
             time.sleep(backoff_s(n))
             self._stop_learners(self.topo.learners)
-            self.check_store(driver)
+            self.check_store(step)
             try:
                 group, endpoint = self._start_learners()
                 version = int(ray.get(group.rank0.progress.remote())["version"])
@@ -233,24 +247,15 @@ class Supervisor:
         if version == 0:  # no checkpoint: the new learner holds none of the batches handed out
             ray.get(self.topo.store.rewind_to.remote(0))
         self.topo.learners, self.topo.learner = group, group.rank0
-        self._follow_endpoint(driver, endpoint)
-        self._resync(driver, version)
+        moved = self._follow_endpoint(endpoint)
+        decision = self._resync(step, version)
+        return Resync(decision.version, decision.step_metrics, replace_samplers=moved)
 
-    def save_final(self, driver: Any, tries: int = 3) -> str:
-        """The final checkpoint (every rank's shards), through a store or learner lost at the last moment."""
-        for _ in range(tries):
-            self.check_store(driver)
-            group = self.topo.learners
-            assert group is not None
-            try:
-                return str(group.wait(group.call("save_final")))
-            except (ray.exceptions.RayError, LearnerRankError) as e:
-                self.learner_failed(driver, e)  # re-synced or restarted; then the save is asked again
-        raise RoleFailed(
-            "learner",
-            self.restarts["learner"],
-            self.cfg.run.max_learner_restarts,
-            "the final checkpoint failed every time",
+    def final_checkpoint_failed(self) -> RoleFailed:
+        """The stop decision when the final checkpoint failed every time."""
+        limit = self.cfg.run.max_learner_restarts
+        return RoleFailed(
+            "learner", self.restarts["learner"], limit, "the final checkpoint failed every time"
         )
 
     @staticmethod
@@ -287,17 +292,15 @@ class Supervisor:
             self._stop_learners(group)
             raise
 
-    def _follow_endpoint(self, driver: Any, endpoint: tuple[str, Any]) -> None:
-        """Samplers subscribed to an endpoint that is gone retire (after their current call) and new ones
-        subscribe to the new endpoint."""
+    def _follow_endpoint(self, endpoint: tuple[str, Any]) -> bool:
+        """True when the weights moved to a new endpoint: the samplers subscribed to the old one must be
+        replaced by ones that subscribe to the new one (new samplers get the new endpoint from here on)."""
         data, model_path, store_name, old, old_key = self.topo.args
         if tuple(endpoint) == (old, old_key):
-            return
+            return False
         log.warning("weights moved from %s to %s: replacing the samplers", old, endpoint[0])
         self.topo.args = (data, model_path, store_name, endpoint[0], endpoint[1])
-        active = [i for i in self.topo.manager.actor_ids() if i not in driver.retiring]
-        driver.retiring |= set(active)
-        scale_samplers(self.topo, self.cfg, len(active), frozenset(driver.retiring))
+        return True
 
     def _last_step_metrics(self, version: int) -> dict[str, float] | None:
         """The learner's own record of step `version` (None when it has none, or does not answer)."""
@@ -307,18 +310,15 @@ class Supervisor:
             return None
         return last if last is not None and int(last["learner/version"]) == version else None
 
-    def _resync(self, driver: Any, version: int) -> None:
-        """The driver, the store and the batch events agree on the learner's `version` again."""
-        if version > driver.step:  # trained, but the call carrying the metrics failed
+    def _resync(self, step: int, version: int) -> Resync:
+        """The store and the batch events agree on the learner's `version` again; the driver's step follows
+        through the returned decision."""
+        last = None
+        if version > step:  # trained, but the call carrying the metrics failed
             last = self._last_step_metrics(version)
             kept = None if last is None else int(last["learner/batch_index"])
-            self.events += catch_up_events(driver.step, version, kept)
-            if last is not None:  # the learner kept the newest step's metrics: that step is logged after all
-                driver.sink.log(last, version)
-        elif version < driver.step:  # restarted from an older checkpoint: later batches are trained again
+            self.events += catch_up_events(step, version, kept)
+        elif version < step:  # restarted from an older checkpoint: later batches are trained again
             self.events.append(("rewind", version))
-        driver.step = version
         ray.get(self.topo.store.set_learner_version.remote(version))
-        if driver.progress is not None:
-            driver.progress.n = version
-            driver.progress.refresh()
+        return Resync(version, last)  # the learner kept the newest step's metrics: logged after all

@@ -2,9 +2,9 @@
 runtime/supervision.py restarts them): the local instance or the cluster, each role's resources, the
 topology's actors, adding and retiring samplers.
 
-The actors are the role classes themselves (`ray.remote` applied here and in the role's own starter):
-`ReplayStore`, `TreeSampler` (via its shell `SamplerActor`), `BackupWorker`, `Learner` (via `LearnerActor`);
-each gets a `RemoteStore` client at construction, so the step sequence they run is the one
+Each actor holds one role object (runtime/remote.py: `ray.remote` is applied there and nowhere else):
+`ReplayStore`, `TreeSampler`, `BackupWorker`, `Learner` (runtime/roles.py, sampler_role.py,
+learner_roles.py); each role gets a `RemoteStore` client, so the step sequence they run is the one
 `runtime/local.py` runs in one process.
 """
 
@@ -19,14 +19,14 @@ from typing import Any
 import ray
 from ray.rllib.utils.actor_manager import FaultTolerantActorManager
 
-from actors.sampler_actor import SamplerActor
 from configs.schema import Config, to_dict
-from runtime.backup_actor import BackupActor
 from runtime.learner_group import LearnerGroup, start_learner_group
 from runtime.pools import check_pools
+from runtime.remote import RoleLog, start_actor
 from runtime.retrieval_actor import start_retrieval_service, stop_retrieval_service
-from storage.replay_store_actor import RemoteStore, start_store_actor
-from storage.role_log import with_role_log
+from runtime.roles import BackupActor, start_store_actor
+from runtime.sampler_role import SamplerActor
+from storage.replay_store_actor import RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,6 @@ class Topology:
     learner: Any  # the learner actor (rank 0 of `learners` when learner.ranks > 1)
     backup: Any
     manager: FaultTolerantActorManager
-    sampler_cls: Any
     args: tuple
     next_index: int = 0
     refs: dict[str, Any] = field(default_factory=dict)
@@ -105,12 +104,9 @@ def start_topology(cfg: Config, model_path: str, resume: bool = False) -> Topolo
     learners = start_learner_group(cfg, data, model_path, store, resume, role_options(cfg, "learner"))
     learner = learners.rank0
     endpoint, key = ray.get(learner.endpoint.remote())
-    logs = cfg.run.run_dir  # each sampler writes RUN_DIR/logs/sampler-<i>.log (storage/role_log.py)
-    sampler_role = with_role_log(SamplerActor, logs, "sampler", index_arg=2)  # arg 2: the sampler index
-    sampler_cls = ray.remote(max_restarts=cfg.sampler.max_restarts)(sampler_role)
     backup = start_backup(cfg, store)
     args = (data, model_path, store_name, endpoint, key)
-    topo = Topology(store, learner, backup, FaultTolerantActorManager([], 1), sampler_cls, args)
+    topo = Topology(store, learner, backup, FaultTolerantActorManager([], 1), args)
     topo.retrieval, topo.learners = retrieval, learners
     scale_samplers(topo, cfg, cfg.sampler.num_samplers)
     return topo
@@ -122,10 +118,10 @@ def scale_samplers(topo: Topology, cfg: Config, n: int, retiring: frozenset[int]
     ids = sorted(i for i in topo.manager.actor_ids() if i not in retiring)
     for _ in range(n - len(ids)):
         data, model_path, store_name, endpoint, key = topo.args
-        opts = role_options(cfg, "sampler")
-        actor = topo.sampler_cls.options(**opts).remote(
-            data, model_path, topo.next_index, store_name, endpoint, key
-        )
+        opts = {**role_options(cfg, "sampler"), "max_restarts": cfg.sampler.max_restarts}
+        log_to = RoleLog(cfg.run.run_dir, "sampler", topo.next_index)  # RUN_DIR/logs/sampler-<i>.log
+        args = (data, model_path, topo.next_index, store_name, endpoint, key)
+        actor = start_actor(SamplerActor, log_to, opts, *args)
         topo.next_index += 1
         topo.manager.add_actors([actor])
     return ids[n:] if n < len(ids) else []
@@ -133,14 +129,14 @@ def scale_samplers(topo: Topology, cfg: Config, n: int, retiring: frozenset[int]
 
 def start_backup(cfg: Config, store: Any) -> Any:
     """A backup actor on a store; not restarted by Ray: the supervisor starts a new one (it is stateless)."""
-    role = with_role_log(BackupActor, cfg.run.run_dir, "backup")  # RUN_DIR/logs/backup-0.log, appended
-    cls = ray.remote(max_restarts=0)(role).options(**role_options(cfg, "backup"))
-    return cls.remote(RemoteStore(store), cfg.algo)
+    log_to = RoleLog(cfg.run.run_dir, "backup")  # RUN_DIR/logs/backup-0.log, appended
+    options = {**role_options(cfg, "backup"), "max_restarts": 0}
+    return start_actor(BackupActor, log_to, options, RemoteStore(store), cfg.algo)
 
 
 def stop_topology(topo: Topology) -> None:
     """Stops every role (best effort for the dead ones), closes the store, and frees the actors."""
-    topo.manager.foreach_actor("stop", healthy_only=True, timeout_seconds=20)
+    topo.manager.foreach_actor("close", healthy_only=True, timeout_seconds=20)
     if topo.learners is not None:
         topo.learners.stop()  # every rank, killed, and the placement group freed
     try:

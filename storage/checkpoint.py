@@ -304,3 +304,10 @@ def load_latest(run_dir: str | Path, hashes: bool = True) -> Checkpoint | None:
         except CheckpointError as e:
             warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
     return None
+
+
+def checkpointed_metrics(ckpt: Checkpoint) -> dict[str, float] | None:
+    """The metrics of the step a checkpoint holds (None in a checkpoint written before a step, or by an
+    older version)."""
+    kept = ckpt.extra.get("step_metrics")
+    return {str(k): float(v) for k, v in kept.items()} if isinstance(kept, dict) else None

@@ -1,12 +1,12 @@
-"""The replay store on Ray: `ReplayStore` itself as the actor (`ray.remote` applied here, at the call site),
-and `RemoteStore`, the `StoreClient` (system/interfaces.py) the samplers, the backup and the learner call.
+"""The replay store's Ray client: `RemoteStore`, the `StoreClient` (system/interfaces.py) the samplers, the
+backup and the learner call on the store actor (a `ReplayStore` held by runtime/roles.py:StoreActor).
 
 Trees cross the object store as Arrow IPC file bytes — the bytes a segment holds — never as pickled Python
 objects: `RemoteStore` encodes trees once on the caller's side (`tree_codec.encode_ipc`), the store checks the
 bytes once and commits them as they are, and it answers leases and batches with the IPC bytes of the stored
 rows, which `RemoteStore` decodes (zero-copy views of the received buffer).
 
-    handle = start_store_actor("/runs/x/store", eta=2, batch_size=64)
+    handle = start_store_actor("/runs/x/store", eta=2, batch_size=64)    # runtime/roles.py
     store = RemoteStore(handle)          # the same methods as an in-process ReplayStore
     store.put_raw(trees); store.lease_raw(16); store.take_batch(64)
 
@@ -15,43 +15,13 @@ Ray runs one call at a time on the actor (max_concurrency=1), so the store sees 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
-from storage.replay_store import ReplayStore
-from storage.role_log import with_role_log
 from storage.tree_codec import decode_ipc, encode_ipc
 from system.tree import RolloutTree
-
-
-class StoreActor(ReplayStore):
-    """`ReplayStore` plus the pid of its process: the driver tells a restarted store by a new pid."""
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def actor_id(self) -> str:
-        """This actor's id (hex), for Ray's public state API (runtime/supervision.py:gcs_restarts)."""
-        return str(ray.get_runtime_context().get_actor_id())
-
-
-def start_store_actor(
-    directory: str, name: str | None = None, max_restarts: int = 0, run_dir: str | None = None, **options: Any
-) -> Any:
-    """Starts `ReplayStore(directory, **options)` as a Ray actor (0 CPUs: it mostly waits on disk).
-
-    With `max_restarts` Ray restarts a dead store in place: the constructor reopens the directory (torn files
-    quarantined, leases and reservations, which live in memory, handed back) and every client keeps its
-    handle; a call in flight at the death fails (runtime/supervision.py). With `run_dir` the store logs to
-    RUN_DIR/logs/store-0.log (storage/role_log.py; a restart appends)."""
-    role = StoreActor if run_dir is None else with_role_log(StoreActor, run_dir, "store")
-    actor = ray.remote(num_cpus=0, max_concurrency=1, max_restarts=max_restarts)(role)
-    if name is not None:
-        actor = actor.options(name=name)
-    return actor.remote(directory, **options)
 
 
 class RemoteStore:

@@ -1,9 +1,7 @@
 """Per-role log files: every actor of a run writes RUN_DIR/logs/<role>-<i>.log, so a failure can be read
 (and is named by the driver, runtime/driver.py) without digging through Ray's session folders.
 
-    path = setup_role_log(run_dir, "sampler", 0)     # first thing in an actor's __init__
-    ray.remote(with_role_log(BackupWorker, run_dir, "backup"))   # a role class that cannot call it itself
-    ray.remote(with_role_log(SamplerActor, run_dir, "sampler", index_arg=2))   # index: constructor arg 2
+    path = setup_role_log(run_dir, "sampler", 0)     # first thing in an actor (runtime/remote.py:RoleHost)
 
 Python logging goes to the file (INFO and up, appended: a restarted actor continues its log), and so does
 the process's stderr (file descriptor 2), which child processes inherit: the vLLM engine core and its
@@ -16,9 +14,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, TypeVar
 
-T = TypeVar("T")
 _FORMAT = "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"
 
 
@@ -46,17 +42,3 @@ def setup_role_log(
         os.close(fd)
     logging.getLogger(__name__).info("%s-%d started (pid %d)", role, index, os.getpid())
     return path
-
-
-def with_role_log(
-    cls: type[T], run_dir: str | os.PathLike[str], role: str, index: int = 0, index_arg: int | None = None
-) -> type[T]:
-    """A subclass of `cls` (same name, for Ray's listings) whose constructor first sets up the role log.
-    `index_arg`: the position of the constructor argument that holds the role's index (the samplers: one
-    class, many actors), instead of the fixed `index`."""
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        setup_role_log(run_dir, role, int(args[index_arg]) if index_arg is not None else index)
-        cls.__init__(self, *args, **kwargs)  # type: ignore[misc]
-
-    return type(cls.__name__, (cls,), {"__init__": __init__, "__qualname__": cls.__qualname__})

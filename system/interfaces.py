@@ -24,6 +24,11 @@ from typing import Any, Protocol
 from system.tree import RolloutTree
 
 
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached right now (a store actor being restarted); the caller's call ends, the
+    caller itself goes on (the sampler: `TreeSampler.sample_and_commit`)."""
+
+
 class StoreClient(Protocol):
     """The durable tree store as the roles see it: raw → credited → consumed, each credited tree handed out
     exactly once. Samplers: admit, put_raw, release. Backup: lease_raw, put_credited. Learner: take_batch,

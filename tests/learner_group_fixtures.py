@@ -36,7 +36,8 @@ def batches(model, tok, n_batches: int, seed: int = 11) -> list[list]:
 
 def store_with(path, trees):
     """A store actor holding `trees` credited, in this order (take_batch hands them out in it)."""
-    from storage.replay_store_actor import RemoteStore, start_store_actor
+    from runtime.roles import start_store_actor
+    from storage.replay_store_actor import RemoteStore
 
     handle = start_store_actor(str(path), eta=1, batch_size=B)
     RemoteStore(handle).put_credited(trees)

@@ -38,7 +38,7 @@ def test_train_reaches_its_steps_with_every_role_killed_once(tmp_path, tiny_mode
     assert report["steps_trained"] == STEPS and report["store_batches"] == STEPS
     restarts = report["restarts"]
     assert (restarts["backup"], restarts["store"], restarts["learner"]) == (1, 1, 1)
-    # The store's restart costs no sampler a restart (actors/sampler_actor.py returns from a call the store
+    # The store's restart costs no sampler a restart (actors/tree_sampler.py returns from a call the store
     # could not answer): at most the killed one is counted. Not always even that one: a learner restarted
     # on a new weight port (the old one still held) replaces the samplers, and the new ones have no restarts.
     assert restarts["sampler"] <= 1

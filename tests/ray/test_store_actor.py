@@ -9,7 +9,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from storage.replay_store_actor import start_store_actor  # noqa: E402
+from runtime.roles import start_store_actor  # noqa: E402
 from storage.tree_codec import decode_ipc, decode_trees, encode_ipc, flat_batches, ipc_to_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -72,7 +72,7 @@ def test_every_role_killed_once_the_run_reaches_its_steps_with_each_batch_once(
     assert summary["steps"] == STEPS  # no human action
     assert summary["restarts"] == {"backup": 1, "store": 1, "learner": 1}
     # Both samplers are serving again. The store's restart cost no sampler a restart (a call the store could
-    # not answer returns, actors/sampler_actor.py): at most the killed one is counted (Ray's counts do not
+    # not answer returns, actors/tree_sampler.py): at most the killed one is counted (Ray's counts do not
     # always show even that one at the end: tests/ray/test_drill_cli.py).
     assert healthy == 2 and restarted_samplers <= 1
     assert audit["twice"] == [] and audit["skipped"] == [] and audit["trained"] == STEPS

@@ -1,0 +1,64 @@
+"""A training run on Ray, start to end: what `treeopsd train` (and `treeopsd demo`) wrap around the driver.
+
+    with ray_training(cfg, model_path, resume) as driver:     # Ray up, the roles placed and started
+        summary = driver.finish(driver.run(cfg.run.steps))    # the tick loop; the final checkpoint
+                                                              # on exit: every role stopped, Ray left up
+
+Before the roles start: what a SIGKILLed driver of this run left behind is reaped (runtime/leftovers.py),
+Ray is joined or started (runtime/topology.py:init_ray), the metrics sink opened and the tensorboard command
+printed. The first SIGINT/SIGTERM asks the driver to stop after its learner step (runtime/signals.py); a
+second one raises `Abort` and every actor of the run is killed at once (what they wrote is atomic).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+from tqdm.auto import tqdm
+
+from runtime.driver import Driver
+from runtime.leftovers import reap_dead_run, record_local_ray
+from runtime.signals import Abort, GracefulStop
+from runtime.topology import init_ray, start_topology, stop_topology
+from storage.tracking import run_sink
+
+
+@contextmanager
+def ray_training(cfg: Any, model_path: str, resume: bool = False) -> Iterator[Driver]:
+    """A driver over the run's roles on Ray (module docstring); progress per `logging.progress`."""
+    run_dir = Path(cfg.run.run_dir)
+    reap_dead_run(run_dir)
+    init_ray(cfg)
+    sink = run_sink(cfg, run_dir)
+    if cfg.logging.tensorboard:
+        tb = (run_dir / "tb").resolve()
+        print(f"watch it: tensorboard --logdir {tb} --host 127.0.0.1", file=sys.stderr)
+    with GracefulStop() as stop:  # after init_ray: replaces Ray's SIGTERM handler
+        topo = start_topology(cfg, model_path, resume)
+        record_local_ray(run_dir)
+        try:
+            with tqdm(
+                total=cfg.run.steps, desc=cfg.run.name, unit="step", disable=not cfg.logging.progress
+            ) as bar:
+                driver = Driver(cfg, topo, sink, bar, stop)
+                bar.update(driver.step)
+                yield driver
+        except Abort:
+            ray.shutdown()  # every actor of the run killed at once; what they wrote is atomic
+            topo = None
+            raise
+        finally:
+            if topo is not None:
+                stop_topology(topo)
+            sink.close()
+
+
+def train(cfg: Any, model_path: str, resume: bool = False) -> dict[str, Any]:
+    """Runs the roles on Ray to cfg.run.steps learner steps; returns the summary (also summary.json)."""
+    with ray_training(cfg, model_path, resume) as driver:
+        return driver.finish(driver.run(cfg.run.steps))
