@@ -88,16 +88,3 @@ def run(args: argparse.Namespace) -> int:
     out |= memory_figures(got.memory)
     print(write_report(out, "soak.json", run_dir, args.results))
     return 0 if out["ok"] else 1
-
-
-def sampler_restarts(topo: Any) -> int:
-    """Ray's count (GCS) over the samplers an in-process topology manages now, or the manager's when Ray does
-    not say; the manager sees only the restarts of samplers it had marked unhealthy (one killed between two
-    calls is not). The soak itself reads its child's count from summary.json; tests/ray/test_supervision.py
-    counts with this."""
-    from runtime.supervision import gcs_restarts
-
-    ids = [r.get() for r in topo.manager.foreach_actor("actor_id", timeout_seconds=30) if r.ok]
-    counts = [gcs_restarts(i) for i in ids]
-    seen = topo.manager.total_num_restarts()
-    return seen if None in counts else max(seen, sum(c for c in counts if c is not None))

@@ -31,7 +31,7 @@ from actors.failures import SamplerFailure, from_ray_error
 from configs.schema import Config
 from runtime.learner_group import LearnerRankError
 from runtime.signals import Abort
-from runtime.supervision import Resync, Supervisor
+from runtime.supervision import Resync, Supervisor, sampler_restarts
 from runtime.topology import (  # noqa: F401  (the Ray run's names, re-exported for its callers)
     Topology,
     init_ray,
@@ -102,7 +102,7 @@ class Driver:
             "steps_this_run": self.step - started_at,
             "elapsed_s": elapsed,
             "sampler_failures": self.sampler_failures,
-            "sampler_restarts": self.topo.manager.total_num_restarts(),
+            "sampler_restarts": sampler_restarts(self.topo),  # Ray's own count where it has one
             **self.supervisor.summary(),
         }
 

@@ -87,6 +87,16 @@ def gcs_restarts(actor_id: str) -> int | None:
         return None
 
 
+def sampler_restarts(topo: Any) -> int:
+    """Ray's count (GCS) over the samplers the topology manages now, or the manager's when Ray does not say;
+    the manager sees only the restarts of samplers it had marked unhealthy (one killed between two calls is
+    not)."""
+    ids = [r.get() for r in topo.manager.foreach_actor("actor_id", timeout_seconds=30) if r.ok]
+    counts = [gcs_restarts(i) for i in ids]
+    seen = topo.manager.total_num_restarts()
+    return int(seen if None in counts else max(seen, sum(c for c in counts if c is not None)))
+
+
 def kind_of(e: BaseException) -> str:
     """failure_kind of a Ray error: a task error (the actor's code raised) whose cause is a lost actor is
     "store" (the only actor the roles call); a RayActorError otherwise means the actor itself died."""

@@ -26,20 +26,43 @@ STEPS, B = 6, 2
 
 def train_cmd(run_dir: Path, model: str, *extra: str) -> list[str]:
     small = [
-        f"model.path={model}", f"learner.batch_trees={B}", "learner.minibatches=2", "sampler.num_samplers=2",
-        "algo.M=2", "algo.N=1", "env.max_turns=3", "env.max_turn_tokens=16", "store.eta=1",
-    ]  # fmt: skip
-    return [sys.executable, "-m", "launch.cli", "train", "--steps", str(STEPS), "--run-dir", str(run_dir),
-            "--no-progress", *extra, *small]  # fmt: skip
+        f"model.path={model}",
+        f"learner.batch_trees={B}",
+        "learner.minibatches=2",
+        "sampler.num_samplers=2",
+        "algo.M=2",
+        "algo.N=1",
+        "env.max_turns=3",
+        "env.max_turn_tokens=16",
+        "store.eta=1",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "train",
+        "--steps",
+        str(STEPS),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *extra,
+        *small,
+    ]
 
 
 def test_ctrl_c_exits_0_with_a_checkpoint_and_resume_continues_at_the_next_batch(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        train_cmd(run_dir, tiny_model_dir), cwd=ROOT, env=env, start_new_session=True, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        train_cmd(run_dir, tiny_model_dir),
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_until(lambda: (run_dir / "checkpoints" / "latest").exists() or proc.poll() is not None, 900, 0.2)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -58,9 +81,13 @@ def test_ctrl_c_exits_0_with_a_checkpoint_and_resume_continues_at_the_next_batch
     assert ckpt is not None and ckpt.step == reached and ckpt.extra["watermark"] == reached
 
     resumed = subprocess.run(
-        train_cmd(run_dir, tiny_model_dir, "--resume"), cwd=ROOT, env=env, text=True, capture_output=True,
+        train_cmd(run_dir, tiny_model_dir, "--resume"),
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
         timeout=900,
-    )  # fmt: skip
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = json.loads((run_dir / "summary.json").read_text())
     assert again["steps"] == STEPS and again["steps_this_run"] == STEPS - reached

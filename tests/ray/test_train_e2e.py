@@ -19,19 +19,39 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.ray
 
 TAGS = [
-    "sampler/tokens_per_s", "sampler/idle_ratio", "sampler/wait_for_weights_s", "sampler/version",
-    "learner/idle_ratio", "learner/wait_for_batch_s", "learner/mismatch_kl", "learner/loss",
-    "learner/mb0/mean_abs_s", "learner/mb1/overshoot_frac", "store/stale_trees", "store/trees_pending",
-    "tree/leaves", "tree/depth", "reward/mean", "weights/version_lag", "backup/trees",
-]  # fmt: skip
+    "sampler/tokens_per_s",
+    "sampler/idle_ratio",
+    "sampler/wait_for_weights_s",
+    "sampler/version",
+    "learner/idle_ratio",
+    "learner/wait_for_batch_s",
+    "learner/mismatch_kl",
+    "learner/loss",
+    "learner/mb0/mean_abs_s",
+    "learner/mb1/overshoot_frac",
+    "store/stale_trees",
+    "store/trees_pending",
+    "tree/leaves",
+    "tree/depth",
+    "reward/mean",
+    "weights/version_lag",
+    "backup/trees",
+]
 
 
 def small_cfg(run_dir, **extra):
     overrides = {
-        "run.run_dir": str(run_dir), "learner.batch_trees": 2, "learner.minibatches": 2,
-        "sampler.num_samplers": 2, "algo.M": 2, "algo.N": 1, "env.max_turns": 3,
-        "env.max_turn_tokens": 16, "store.eta": 1, **extra,
-    }  # fmt: skip
+        "run.run_dir": str(run_dir),
+        "learner.batch_trees": 2,
+        "learner.minibatches": 2,
+        "sampler.num_samplers": 2,
+        "algo.M": 2,
+        "algo.N": 1,
+        "env.max_turns": 3,
+        "env.max_turn_tokens": 16,
+        "store.eta": 1,
+        **extra,
+    }
     return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 

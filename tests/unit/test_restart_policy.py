@@ -90,8 +90,16 @@ def test_steps_whose_calls_failed_are_caught_up_logged_where_the_learner_kept_th
 def test_resume_command_repeats_the_arguments_with_resume():
     argv = ["train", "--steps", "300", "--run-dir", "runs/x y", "learner.lr=1e-4"]
     cmd = resume_command(argv, "runs/x y")
-    assert shlex.split(cmd) == ["treeopsd", "train", "--resume", "--steps", "300", "--run-dir", "runs/x y",
-                                "learner.lr=1e-4"]  # fmt: skip
+    assert shlex.split(cmd) == [
+        "treeopsd",
+        "train",
+        "--resume",
+        "--steps",
+        "300",
+        "--run-dir",
+        "runs/x y",
+        "learner.lr=1e-4",
+    ]
     # no --run-dir given (the default from the config): it is added, and --resume is not repeated
     assert resume_command(["--resume", "--steps", "3"], "runs/default") == (
         "treeopsd train --resume --steps 3 --run-dir runs/default"

@@ -28,8 +28,15 @@ os._exit(0)
 def test_the_next_run_kills_what_a_dead_driver_left_and_nothing_else(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     orphan = int(out.stdout.split()[0])
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # not recorded
     try:
