@@ -12,6 +12,7 @@ large log-ratio cannot overflow exp; beyond the clamp the gradient is zero.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -131,61 +132,14 @@ def _clipped_objective(
         }
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    *,
-    z_total: float | torch.Tensor | None = None,
-    clip_c: float | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss (§8.1): token-level PPO-clip, token-mean, ε_lo = ε_hi = 0.2, optional dual clip; see
-    ``ppo_clip_loss``. ``advantages`` is per token (A_j broadcast to every model token of trajectory j)."""
-    return ppo_clip_loss(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        clip_low,
-        clip_high,
-        z_total=z_total,
-        clip_c=clip_c,
-        is_weights=is_weights,
-    )
-
-
-def treepo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    *,
-    z_total: float | torch.Tensor | None = None,
-    clip_c: float | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """TreePO loss (§8.3): PPO-clip token-mean with ε_lo = 0.2, ε_hi = 0.28 over root-to-leaf path sequences.
-
-    The caller builds one sequence per leaf (shared prefixes repeated, each copy masked in) and passes the
-    whitened per-token advantages from ``treepo_advantages`` + ``masked_whiten``.
-    """
-    return ppo_clip_loss(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        clip_low,
-        clip_high,
-        z_total=z_total,
-        clip_c=clip_c,
-        is_weights=is_weights,
-    )
+# GRPO (§8.1): token-level PPO-clip, token-mean, ε_lo = ε_hi = 0.2, optional dual clip; `advantages` per
+# token (A_j broadcast to every model token of trajectory j). The learner passes its configured clip range
+# to ``ppo_clip_loss`` itself (learner/methods.py); these two are the paper's defaults.
+grpo_loss = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.2)
+# TreePO (§8.3): PPO-clip token-mean with ε_lo = 0.2, ε_hi = 0.28 over root-to-leaf path sequences (one
+# sequence per leaf, shared prefixes repeated, each copy masked in; advantages from ``treepo_advantages``
+# + ``masked_whiten``).
+treepo_loss = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.28)
 
 
 def gspo_loss(

@@ -5,8 +5,8 @@ observations, training still reaches its steps, and `env/retrieval_errors` > 0 r
 from __future__ import annotations
 
 import pytest
+from test_train_e2e import small_cfg as train_e2e_cfg
 
-from configs.schema import load_config
 from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 
@@ -24,22 +24,9 @@ def searching_model(tmp_path_factory):
 
 
 def small_cfg(run_dir, **extra):
-    overrides = {
-        "run.run_dir": str(run_dir),
-        "learner.batch_trees": 2,
-        "learner.minibatches": 2,
-        "sampler.num_samplers": 2,
-        "algo.M": 2,
-        "algo.N": 1,
-        "env.max_turns": 3,
-        "env.max_turn_tokens": 16,
-        "store.eta": 1,
-        "env.retriever": "service",
-        "env.retriever_retries": 1,
-        "env.retriever_timeout_s": 2,
-        **extra,
-    }
-    return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
+    """test_train_e2e's small run, searching through the run's retrieval service."""
+    service = {"env.retriever": "service", "env.retriever_retries": 1, "env.retriever_timeout_s": 2}
+    return train_e2e_cfg(run_dir, **service, **extra)
 
 
 def test_training_goes_on_when_the_shared_service_stops(ray_cluster, tmp_path, searching_model):

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from configs.schema import ConfigError, load_config
+from tests.ray.test_train_e2e import small_cfg
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,21 +32,9 @@ NODE_IP = "127.0.0.2"
 
 
 def pool_cfg(run_dir, **extra):
-    overrides = {
-        "run.run_dir": str(run_dir),
-        "learner.batch_trees": 2,
-        "learner.minibatches": 2,
-        "sampler.num_samplers": 2,
-        "algo.M": 2,
-        "algo.N": 1,
-        "env.max_turns": 3,
-        "env.max_turn_tokens": 16,
-        "store.eta": 1,
-        "resources.learner.pool": "train",
-        "resources.sampler.pool": "sample",
-        **extra,
-    }
-    return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
+    """test_train_e2e's small run, the learner on the train pool and the samplers on the sample pool."""
+    pools = {"resources.learner.pool": "train", "resources.sampler.pool": "sample"}
+    return small_cfg(run_dir, **pools, **extra)
 
 
 def cluster_sh(*args, **kwargs):
