@@ -71,6 +71,7 @@ class AgentEndpoint:
             self.sock.close()
             raise OSError(f"env.agent_port = {port}: cannot bind {host}:{port}: {exc}") from exc
         self.port = int(self.sock.getsockname()[1])
+        self.rejected = 0  # requests refused before reaching a session (auth, malformed JSON, no session id)
         self._round: Round | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False)
@@ -147,18 +148,22 @@ def session_of(request: Request, body: Any) -> str:
     return sid
 
 
+def unauthorized(ep: AgentEndpoint) -> JSONResponse:
+    ep.rejected += 1
+    return error(401, "missing or wrong token (send Authorization: Bearer <token>)", "authentication_error")
+
+
 def build_app(ep: AgentEndpoint) -> FastAPI:
     app = FastAPI(title="treeopsd agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def routed(request: Request, call: Callable[[str, Any], _Call]) -> JSONResponse:
         if not ep.authorized(request.headers.get("authorization", "")):
-            return error(
-                401, "missing or wrong token (send Authorization: Bearer <token>)", "authentication_error"
-            )
+            return unauthorized(ep)
         try:
             body = await read_json(request)
             sid = session_of(request, body)
         except ApiError as exc:
+            ep.rejected += 1
             return JSONResponse(exc.payload(), status_code=exc.status)
         status, payload = await ep.forward(call(sid, body))
         return JSONResponse(payload, status_code=status)
@@ -174,9 +179,7 @@ def build_app(ep: AgentEndpoint) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         if not ep.authorized(request.headers.get("authorization", "")):
-            return error(
-                401, "missing or wrong token (send Authorization: Bearer <token>)", "authentication_error"
-            )
+            return unauthorized(ep)
         return JSONResponse(
             {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "treeopsd"}]}
         )

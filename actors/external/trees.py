@@ -124,6 +124,7 @@ class ExternalTrees:
         rnd = Round(server, gate, self.templates, sampler.limits, self.bounds, sampler.stats)
         run = getattr(sampler.backend, "run_async", None) or asyncio.run
         run(_grow_all(self, rnd, runner, plans, sampler))
+        sampler.stats["external/rejected_requests"] = float(self.endpoint.rejected)  # since the start
         trees = [_finish(p) for p in plans]
         sampler.dropped_trees += sum(t is None for t in trees)
         return [t for t in trees if t is not None]
