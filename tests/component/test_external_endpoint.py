@@ -196,7 +196,7 @@ def test_bad_requests_get_one_clear_error_and_cost_nothing_else(kb):
 
 
 def test_a_token_is_required_off_loopback_and_checked():
-    with pytest.raises(PermissionError, match="env.agent_token"):
+    with pytest.raises(PermissionError, match=r"env\.agent_token"):
         AgentEndpoint(host="0.0.0.0")
     ep = AgentEndpoint(token="s3cret")
     try:
