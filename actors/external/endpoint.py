@@ -132,6 +132,9 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 async def read_json(request: Request) -> Any:
     """The body as JSON, or an ApiError (400 malformed, 413 too large)."""
+    size = request.headers.get("content-length", "0")
+    if size.isdigit() and int(size) > MAX_BODY:
+        raise ApiError(413, f"the request body exceeds {MAX_BODY} bytes")
     raw = await request.body()
     if len(raw) > MAX_BODY:
         raise ApiError(413, f"the request body exceeds {MAX_BODY} bytes")

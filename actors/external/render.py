@@ -65,7 +65,8 @@ class Templates:
         return self.protocol.decode_turn(turn)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(ids))]
+        """Each sampled token's own text (for the response's `logprobs`; never encoded again)."""
+        return [str(self.tokenizer.decode([int(i)], skip_special_tokens=False)) for i in ids]
 
 
 def template_message(m: dict[str, Any]) -> dict[str, Any]:

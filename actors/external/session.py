@@ -212,6 +212,9 @@ def prompt_ids(rnd: Round, s: Session, req: ChatRequest) -> list[int]:
 def observe(rnd: Round, s: Session, req: ChatRequest, n: int) -> bool:
     """Checks that the request extends the recorded conversation and appends the new messages' delta ids
     (False, nothing appended: a limit ends the session before the next turn)."""
+    assert s.tree.prompt is not None
+    if req.tools != s.tree.prompt.tools:  # the prompt was rendered with the first request's tools
+        raise ApiError(409, "tools differ from the ones this episode started with", "context_mismatch")
     recorded = s.recorded()
     why = first_difference(req.messages, recorded)
     if why is not None:
