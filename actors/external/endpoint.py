@@ -169,8 +169,9 @@ def build_app(ep: AgentEndpoint) -> FastAPI:
             ep.rejected += 1
             return JSONResponse(exc.payload(), status_code=exc.status)
         status, payload = await ep.forward(call(sid, body))
-        # a refused or finished session stays so: OpenAI clients would retry a 409 otherwise
-        headers = {"x-should-retry": "false"} if status in (409, 410) else None
+        # a refused or finished session stays so, a failed sampler fails its round: OpenAI clients would
+        # retry a 409 or a 500 otherwise
+        headers = {"x-should-retry": "false"} if status in (409, 410, 500) else None
         return JSONResponse(payload, status_code=status, headers=headers)
 
     @app.post("/v1/chat/completions")

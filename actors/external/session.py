@@ -22,6 +22,7 @@ project's own loop does (reward 0): a cut turn (`truncated`), `env.max_turns`, `
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +40,11 @@ from actors.external.openai_format import (
     split_turn,
 )
 from actors.external.render import Templates
+from actors.protocols.base import ProtocolError
 from actors.weight_gate import WeightGate
 from system.policy import SampleRequest, TurnServer, mix_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Session:
     finish: str | None = None  # ended by a limit: truncated, max_turns, token_budget
     failure: str | None = None  # refused or failed: never stored
     closed: bool = False  # the episode is over (harness returned, deadline passed)
+    busy: bool = False  # a request is being answered (a session's requests go one at a time)
     posted_reward: float | None = None
     rewarded: asyncio.Event = field(default_factory=asyncio.Event)
     reward: float | None = None  # the episode's, once settled
@@ -123,6 +128,7 @@ class Round:
         self.server, self.gate, self.templates, self.limits = server, gate, templates, limits
         self.bounds, self.stats, self.model = bounds, stats, model
         self.sessions: dict[str, Session] = {}
+        self.error: Exception | None = None  # a failure of the sampler itself (not of a harness)
 
     def session(self, key: str) -> Session:
         s = self.sessions.get(key)
@@ -142,13 +148,29 @@ class Round:
             if s.finish is not None:
                 why = f"session {key!r} ended ({s.finish}); the episode is over"
                 raise ApiError(400, why, "session_ended")
-            return 200, await take_turn(self, s, parse_chat_request(body, self.bounds))
+            if s.busy:
+                raise ApiError(
+                    400, f"session {key!r} has a request in flight: send one at a time", "session_busy"
+                )
+            s.busy = True
+            try:
+                return 200, await take_turn(self, s, parse_chat_request(body, self.bounds))
+            except ProtocolError as exc:  # the messages are the harness's: a template that cannot render them
+                raise ApiError(400, f"messages: {exc}", param="messages") from None
+            finally:
+                s.busy = False
         except ApiError as exc:
             count(self.stats, "external/bad_requests" if exc.status < 409 else "external/refused_requests")
             if exc.status == 409 and key in self.sessions and self.sessions[key].failure is None:
                 self.sessions[key].failure = f"context mismatch: {exc.message}"
                 count(self.stats, "external/context_mismatch")
             return exc.status, exc.payload()
+        except Exception as exc:  # the engine failed: the round fails with it once the harness is done
+            log.exception("the agent endpoint failed on a request of session %s", key)
+            self.error = self.error or exc
+            return 500, ApiError(
+                500, f"the sampler failed: {type(exc).__name__}: {exc}", "server_error"
+            ).payload()
 
     async def reward(self, key: str, body: Any) -> tuple[int, dict[str, Any]]:
         """POST /v1/reward: {"reward": number} for the session (the harness may also return it)."""

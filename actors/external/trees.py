@@ -217,6 +217,8 @@ async def _episode(
                 await _settle(ext, s, value, exc, rnd.stats)
         finally:
             s.closed = True
+    if rnd.error is not None:  # the engine failed under this round: it fails as a whole
+        raise rnd.error
     if s.failure is None and len(s.turns) <= s.start:
         s.failure = "the harness made no request that sampled a turn"
         count(rnd.stats, "external/no_turns")

@@ -21,10 +21,10 @@ def kb():
     return kb_setup()
 
 
-def grow(kb, harness, n_tasks=2, shape=(2, 2), think=False, **limits):
+def grow(kb, harness, n_tasks=2, shape=(2, 2), think=False, script=ToolScript, **limits):
     env, protocol, tok = kb
     tasks = env.tasks("train", n=n_tasks)
-    sampler = external_sampler(ToolScript(tok, tasks, think), env, protocol, harness, shape=shape, **limits)
+    sampler = external_sampler(script(tok, tasks, think), env, protocol, harness, shape=shape, **limits)
     try:
         trees = sampler.sample_trees(tasks, np.random.default_rng(0), [f"x{i}" for i in range(n_tasks)])
     finally:
@@ -137,3 +137,14 @@ def test_failing_harnesses_cost_their_own_episode_only(kb):
         1,
     )
     assert s["external/bad_rewards"] == 1 and s["external/episodes_dropped"] == 4
+
+
+class BrokenEngine(ToolScript):
+    def sample(self, requests):
+        raise RuntimeError("engine down")
+
+
+def test_an_engine_failure_fails_the_round(kb):
+    """Not a harness's fault: the harness gets a 500, and the round fails as the own loop's would."""
+    with pytest.raises(RuntimeError, match="engine down"):
+        grow(kb, example.run_episode, n_tasks=1, shape=(2, 0), script=BrokenEngine)
