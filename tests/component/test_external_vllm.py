@@ -25,11 +25,14 @@ vllm_backend = vllm_fixtures.vllm_backend
 pytestmark = pytest.mark.vllm
 
 
-def test_external_episodes_over_vllm_store_the_engines_turns(vllm_backend: Any, monkeypatch) -> None:
+def test_external_episodes_over_vllm_store_the_engines_turns(
+    vllm_backend: Any, tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     env = SyntheticKBEnv(config=KBConfig(n_persons=40, n_companies=10, n_cities=12, n_countries=5))
-    protocol, penv = bind_protocol(
-        load_config(overrides=["env.protocol=qwen3"]).env, vllm_backend.tokenizer, env
-    )
+    protocol, penv = bind_protocol(load_config(overrides=["env.protocol=qwen3"]).env, tok, env)
     results = []
     generate = vllm_backend.generate_turn
 
