@@ -126,6 +126,7 @@ def sampler_parts(
         tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
         chat, env = bind_protocol(cfg.env, tokenizer, build_env(cfg))  # env.protocol: how calls are written
         tasks = load_split(cfg, "train", env)
+        external = external_trees(cfg, chat) if cfg.env.harness else None  # env.harness: bring your own agent
     except Exception as exc:
         if own_backend and backend is not None:
             backend.close()  # vLLM: its engine core and workers go too
@@ -146,7 +147,23 @@ def sampler_parts(
         "max_inflight": cfg.sampler.max_inflight_episodes,
         "tool_calls": cfg.sampler.tool_calls,
         "tool_threads": cfg.sampler.tool_threads,
+        "external": external,
     }
+
+
+def external_trees(cfg: Config, protocol: Any) -> Any:
+    """The tree source for `env.harness`: the harness, and the endpoint it talks to (bound here)."""
+    from actors.external.endpoint import AgentEndpoint
+    from actors.external.openai_format import SamplingBounds
+    from actors.external.render import Templates
+    from actors.external.trees import ExternalTrees, HarnessLimits, load_harness
+
+    e = cfg.env
+    harness = load_harness(str(e.harness))
+    endpoint = AgentEndpoint(e.agent_host, e.agent_port, e.agent_token, wait_s=e.harness_timeout_s)
+    bounds = SamplingBounds(cfg.sampler.temperature, cfg.sampler.top_p)
+    limits = HarnessLimits(e.harness_timeout_s, e.reward_timeout_s)
+    return ExternalTrees(harness, endpoint, Templates(protocol), bounds, limits)
 
 
 def build_sampler(

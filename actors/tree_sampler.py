@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,6 +53,17 @@ class TreeShape:
     M: int = 4
     N: int = 2
     anchor_shortfall: str = "skip"
+
+
+class TreeSource(Protocol):
+    """Where trees come from instead of the own agent loop: a harness driven through the agent endpoint
+    (actors/external/trees.py, `env.harness`). Admission, commit and metrics stay the sampler's."""
+
+    def grow(
+        self, sampler: TreeSampler, tasks: Sequence[Task], rng: np.random.Generator, ids: Sequence[str]
+    ) -> list[RolloutTree]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -88,6 +99,7 @@ class TreeSampler:
         max_inflight: int = 64,
         tool_calls: str = "auto",
         tool_threads: int = 16,
+        external: TreeSource | None = None,
     ) -> None:
         if loop not in ("async", "lockstep"):
             raise ValueError(f"loop must be 'async' or 'lockstep', got {loop!r}")
@@ -100,6 +112,7 @@ class TreeSampler:
             tool_calls == "auto" and bool(getattr(env, "inline_tools", False))
         )  # auto: the env says whether its tools are fast in-process lookups
         self.tool_threads = tool_threads
+        self.external = external  # trees from a harness (env.harness) instead of the own loop
         # every poll of the sink goes through one thread (the async loop polls while episodes run)
         self.poller = WeightPoller(weights) if weights is not None else None
         self._server: TurnServer | None = None
@@ -196,6 +209,8 @@ class TreeSampler:
             if tree_ids is not None
             else [f"{t.task_id}-{rng.integers(1 << 62):x}" for t in tasks]
         )
+        if self.external is not None:
+            return self.external.grow(self, tasks, rng, ids)
         seeds = rng.integers(1 << 62, size=len(tasks))  # one generator per tree: any loop order, same tree
         plans = [self._plan(t, i, int(s)) for t, i, s in zip(tasks, ids, seeds, strict=True)]
         if self.loop == "async":
@@ -293,6 +308,8 @@ class TreeSampler:
         )
 
     def close(self) -> None:
+        if self.external is not None:
+            self.external.close()
         if self._tools is not None:
             self._tools.shutdown()
         if self.poller is not None:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Self
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.functional_validators import AfterValidator, model_validator
-from pydantic.types import StrictBool, StrictInt
+from pydantic.types import StrictBool, StrictInt, StrictStr
 
 from configs.algo import AlgoConfig
 from configs.engine_args import check_engine_args
@@ -119,6 +119,17 @@ class EnvConfig(_Section):
     protocol: Literal["plain", "qwen3", "search_r1", "auto"] = "plain"
     enable_thinking: StrictBool = True  # passed to the chat template (Qwen3: false adds an empty <think>)
     require_search: StrictBool = False  # an answer given before any search call gets reward 0
+    # Bring your own agent (docs/external-agents.md): "module:function" run_episode(task, base_url, session)
+    # driving the policy through an OpenAI-compatible endpoint; the tasks and tools are env.name's
+    harness: (
+        Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"), Allowed("'module:function'")]
+        | None
+    ) = None
+    harness_timeout_s: PosFloat = 120.0  # one run of the harness; past it the episode is dropped
+    reward_timeout_s: NonNegFloat = 10.0  # a run that returned None: wait this long for POST /v1/reward
+    agent_host: Host = "127.0.0.1"  # the endpoint's bind address (not loopback: needs env.agent_token)
+    agent_port: Annotated[StrictInt, Field(ge=0, le=65535), Allowed(PORT_ALLOWED)] = 0  # 0: a free port
+    agent_token: NonEmptyStr | None = None  # unset: $TREEOPSD_AGENT_TOKEN, if any
 
     @model_validator(mode="after")
     def _retriever_rules(self) -> Self:
@@ -128,6 +139,11 @@ class EnvConfig(_Section):
         rule(self, local_ok, "index", "'bm25' with env.retriever = local (dense needs the service)")
         dense_ok = self.index != "dense" or self.encoder is not None
         return rule(self, dense_ok, "encoder", "a local encoder folder with env.index = dense")
+
+    @model_validator(mode="after")
+    def _harness_rules(self) -> Self:
+        ok = self.harness is None or self.protocol == "qwen3"  # OpenAI tool calls ⇔ `<tool_call>` JSON
+        return rule(self, ok, "protocol", "'qwen3' with env.harness (tool calls as <tool_call> JSON)")
 
     @model_validator(mode="after")
     def _turn_fits_budget(self) -> Self:

@@ -1,0 +1,1 @@
+"""Example harnesses for `env.harness` (docs/external-agents.md)."""

@@ -1,0 +1,87 @@
+"""Shared set-up of the external-agent tests: a scripted backend that writes Qwen3 tool calls, the small
+synthetic KB and its qwen3 protocol, and a TreeSampler over a harness through a real endpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from actors.agent_loop import LoopLimits
+from actors.envs.synthetic_kb import KBConfig, SyntheticKBEnv, tokenizer_texts
+from actors.external.endpoint import AgentEndpoint
+from actors.external.openai_format import SamplingBounds
+from actors.external.render import Templates
+from actors.external.trees import ExternalTrees, HarnessLimits
+from actors.policy.tiny_model import build_tokenizer
+from actors.protocols import bind_protocol
+from actors.tree_sampler import TreeSampler, TreeShape
+from configs.schema import load_config
+from system.policy import SampleRequest, SampleResult
+
+
+def kb_setup():
+    """(env under the qwen3 protocol, protocol, tokenizer) over a small synthetic KB."""
+    env = SyntheticKBEnv(config=KBConfig(n_persons=40, n_companies=10, n_cities=12, n_countries=5))
+    tok = build_tokenizer(tokenizer_texts(env, n_questions=200, n_oracle=20))
+    cfg = load_config(overrides=["env.protocol=qwen3"])
+    protocol, penv = bind_protocol(cfg.env, tok, env)
+    return penv, protocol, tok
+
+
+def call_text(name: str, **arguments: str) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+class ToolScript:
+    """PolicyBackend that searches once, then answers (right or wrong, by the request's seed): real token ids
+    of the tokenizer, log-probs drawn from the seed. The first turn stops at `</tool_call>` (no end-of-turn
+    token, as a stop string leaves it), the answer turn ends with the end-of-turn token."""
+
+    def __init__(self, tokenizer, tasks, think: bool = False) -> None:
+        self.tok, self.tasks, self.think = tokenizer, list(tasks), think
+        self.version = 0
+        self.eot = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        self.results: list[SampleResult] = []  # every turn it sampled, in order
+
+    def text(self, req: SampleRequest, rng: np.random.Generator) -> tuple[str, bool]:
+        context = self.tok.decode(list(req.context))
+        task = next(t for t in self.tasks if t.question in context)
+        turn = context.count("<|im_start|>assistant") - 1
+        lead = "<think>let me look</think>" if self.think else ""
+        if turn == 0:
+            return lead + call_text("search", query=f"{task.meta['chain'][0]} {task.meta['path'][0]}"), False
+        answer = task.answers[0] if rng.random() < 0.5 else "nobody"
+        return lead + call_text("answer", answer=answer), True
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        out = []
+        for req in requests:
+            rng = np.random.default_rng(req.seed)
+            text, closed = self.text(req, rng)
+            ids = [*self.tok.encode(text, add_special_tokens=False), *([self.eot] if closed else [])]
+            res = SampleResult(ids, (-rng.random(len(ids))).tolist(), "stop")
+            self.results.append(res)
+            out.append(res)
+        return out
+
+    def score(self, context, start):  # pragma: no cover - not a model
+        raise NotImplementedError
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def external_sampler(backend, env, protocol, harness, shape=(2, 1), token=None, **limits) -> TreeSampler:
+    """A TreeSampler whose trees come from `harness` through a fresh loopback endpoint."""
+    harness_limits = HarnessLimits(limits.pop("timeout_s", 30.0), limits.pop("reward_timeout_s", 2.0))
+    loop_limits = LoopLimits(**{"max_turns": 4, "max_turn_tokens": 64, "token_budget": 1200, **limits})
+    ext = ExternalTrees(
+        harness, AgentEndpoint(token=token), Templates(protocol), SamplingBounds(1.0, 1.0), harness_limits
+    )
+    M, N = shape
+    return TreeSampler(backend, env, protocol, TreeShape(M=M, N=N), loop_limits, external=ext)
