@@ -107,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
                 "back the in-process samplers of `treeopsd experiment`; here set store.eta)"
             )
         check_trackers(cfg.logging)
+        if cfg.env.harness:  # importable here, before Ray starts, or one line naming env.harness
+            from actors.external.trees import load_harness
+
+            load_harness(cfg.env.harness)
         model_path = resolve_model(cfg, progress=cfg.logging.progress)
     except (ConfigError, ModelPathError, ValueError) as e:
         print(f"treeopsd train: {e}", file=sys.stderr)

@@ -28,6 +28,8 @@ import importlib
 import json
 import logging
 import math
+import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,10 +56,13 @@ log = logging.getLogger(__name__)
 
 
 def load_harness(spec: str) -> Harness:
-    """`module:function` → the function (errors name `env.harness`)."""
+    """`module:function` → the function (errors name `env.harness`). The module is looked up from the
+    working directory too, as `uvicorn module:app` does (a console script's sys.path lacks it)."""
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"env.harness = {spec!r}: expected 'module:function'")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:

@@ -34,6 +34,11 @@ ROWS = [
     (["train", "run.sampler_lag=2"], "run.sampler_lag = 2 is invalid: expected 0 for a run on Ray"),
     (["train", "algo.rollout_correction=token_tis"], "algo.rollout_correction = 'token_tis' is invalid"),
     (["train", "algo.mask_band=[2,3]"], "algo.mask_band = [2, 3] is invalid"),
+    (
+        ["train", "env.harness=nope.mod:fn", "env.protocol=qwen3"],
+        "env.harness = 'nope.mod:fn': cannot import",
+    ),
+    (["train", "env.harness=examples.search_agent:run_episode"], "env.protocol = 'plain' is invalid"),
 ]
 
 
