@@ -74,7 +74,7 @@ class WeightSource(Protocol):
 
 class WeightSink(Protocol):
     """Where a sampler picks weights up between turns: only complete, verified versions newer than the last
-    one returned. Usage (actors/agent_loop.py `apply_new_weights`)::
+    one returned. Usage (actors/tree_sampler.py `TreeSampler.catch_up`)::
 
         got = sink.poll(timeout_ms=0)
         if got is not None:
