@@ -184,13 +184,13 @@ class Driver:
             return True
         try:
             done, out = self.topo.learners.poll(self.learner_call, timeout_s=0.05)  # a failed rank raises
+            if done:
+                self.learner_call = None
+                self._trained(out)  # asks the learner for its lags: it may be lost right now too
         except (ray.exceptions.RayError, LearnerRankError) as e:  # re-synced or restarted from a checkpoint
             self.learner_call = None
             self.apply(self.supervisor.learner_failed(self.step, e))
             return True
-        if done:
-            self.learner_call = None
-            self._trained(out)
         return done
 
     def _trained(self, out: dict[str, Any] | None) -> None:

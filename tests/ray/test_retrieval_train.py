@@ -26,7 +26,7 @@ def searching_model(tmp_path_factory):
 def small_cfg(run_dir, **extra):
     """test_train_e2e's small run, searching through the run's retrieval service."""
     service = {"env.retriever": "service", "env.retriever_retries": 1, "env.retriever_timeout_s": 2}
-    return train_e2e_cfg(run_dir, **service, **extra)
+    return train_e2e_cfg(run_dir, **{**service, **extra})
 
 
 def test_training_goes_on_when_the_shared_service_stops(ray_cluster, tmp_path, searching_model):

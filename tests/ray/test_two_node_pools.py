@@ -34,7 +34,7 @@ NODE_IP = "127.0.0.2"
 def pool_cfg(run_dir, **extra):
     """test_train_e2e's small run, the learner on the train pool and the samplers on the sample pool."""
     pools = {"resources.learner.pool": "train", "resources.sampler.pool": "sample"}
-    return small_cfg(run_dir, **pools, **extra)
+    return small_cfg(run_dir, **{**pools, **extra})
 
 
 def cluster_sh(*args, **kwargs):
