@@ -19,6 +19,7 @@ from actors.protocols import bind_protocol
 from actors.tree_sampler import TreeSampler, TreeShape
 from configs.schema import load_config
 from system.policy import SampleRequest, SampleResult
+from tests.fakes import TextBackend
 
 
 def kb_setup():
@@ -34,7 +35,7 @@ def call_text(name: str, **arguments: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-class ToolScript:
+class ToolScript(TextBackend):
     """PolicyBackend that searches once, then answers (right or wrong, by the request's seed): real token ids
     of the tokenizer, log-probs drawn from the seed. The first turn stops at `</tool_call>` (no end-of-turn
     token, as a stop string leaves it), the answer turn ends with the end-of-turn token."""
@@ -66,15 +67,6 @@ class ToolScript:
             out.append(res)
         return out
 
-    def score(self, context, start):  # pragma: no cover - not a model
-        raise NotImplementedError
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        self.version = version
-
-    def close(self) -> None:
-        pass
-
 
 def external_sampler(backend, env, protocol, harness, shape=(2, 1), token=None, **limits) -> TreeSampler:
     """A TreeSampler whose trees come from `harness` through a fresh loopback endpoint."""
@@ -85,3 +77,18 @@ def external_sampler(backend, env, protocol, harness, shape=(2, 1), token=None, 
     )
     M, N = shape
     return TreeSampler(backend, env, protocol, TreeShape(M=M, N=N), loop_limits, external=ext)
+
+
+def worst_rescore_gap(trees, score) -> float:
+    """The largest |re-scored − stored| log-prob over every sampled token of `trees`: each turn re-scored by
+    `score(context, start)` after its exact stored context (prompt, earlier turns, observations)."""
+    worst = 0.0
+    for t in trees:
+        for leaf in t.leaves:
+            ids = t.prompt_tokens.tolist()
+            for i in t.path(leaf):
+                n = t.nodes[i]
+                start, ids = len(ids), [*ids, *n.tokens.tolist()]
+                worst = max(worst, float(np.abs(np.array(score(ids, start)) - n.behavior_logprobs).max()))
+                ids += n.obs_tokens.tolist()
+    return worst

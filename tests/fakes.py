@@ -24,7 +24,22 @@ MENU = (
 )
 
 
-class ScriptedBackend:
+class TextBackend:
+    """What a scripted PolicyBackend shares: no model to score with; a weight load only moves the version."""
+
+    version = 0
+
+    def score(self, context, start):  # pragma: no cover - not a model
+        raise NotImplementedError
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedBackend(TextBackend):
     """PolicyBackend over a text menu; `q`/`a` are filled from the question the context holds."""
 
     def __init__(self, tokenizer, seed: int = 0, question_answer=None):
@@ -48,12 +63,3 @@ class ScriptedBackend:
             lp = -math.log(len(MENU)) / max(len(ids), 1)
             out.append(SampleResult(ids, [lp] * len(ids), finish))
         return out
-
-    def score(self, context, start):  # pragma: no cover - not a model
-        raise NotImplementedError
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        self.version = version
-
-    def close(self) -> None:
-        pass

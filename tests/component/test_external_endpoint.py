@@ -14,7 +14,7 @@ from actors.external.endpoint import AgentEndpoint
 from actors.policy.hf_backend import HFBackend
 from actors.policy.tiny_model import build_tiny_model
 from system.policy import SamplingConfig
-from tests.external_fixtures import ToolScript, external_sampler, kb_setup
+from tests.external_fixtures import ToolScript, external_sampler, kb_setup, worst_rescore_gap
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +135,7 @@ def test_hf_turns_are_stored_as_sampled_and_rescore_to_their_logprobs(kb):
     assert len(nodes) == len(backend.results) and nodes
     assert all(as_stored(n.tokens, n.behavior_logprobs) in engine for n in nodes)
     assert any(len(n.obs_tokens) > 0 for n in nodes)  # multi-turn: observations between sampled turns
-    worst = 0.0
-    for t in trees:
-        for leaf in t.leaves:
-            ids = t.prompt_tokens.tolist()
-            for i in t.path(leaf):
-                n = t.nodes[i]
-                a, ids = len(ids), [*ids, *n.tokens.tolist()]
-                rescored = np.array(backend.score(ids, a))
-                worst = max(worst, float(np.abs(rescored - n.behavior_logprobs).max()))
-                ids += n.obs_tokens.tolist()
+    worst = worst_rescore_gap(trees, backend.score)
     assert worst <= 1e-5, worst
 
 

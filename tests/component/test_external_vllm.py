@@ -17,7 +17,7 @@ from actors.protocols import bind_protocol
 from configs.schema import load_config
 from tests import vllm_fixtures
 from tests.component.test_external_endpoint import as_stored, chatty_harness
-from tests.external_fixtures import external_sampler
+from tests.external_fixtures import external_sampler, worst_rescore_gap
 
 tiny_model_dir = vllm_fixtures.tiny_model_dir
 vllm_backend = vllm_fixtures.vllm_backend
@@ -52,15 +52,5 @@ def test_external_episodes_over_vllm_store_the_engines_turns(
     engine = {as_stored(r.token_ids, r.logprobs) for r in results}
     assert nodes and len(nodes) == len(results)  # every sampled turn stored once, nothing else
     assert all(as_stored(n.tokens, n.behavior_logprobs) in engine for n in nodes)
-    worst = 0.0
-    for t in trees:
-        for leaf in t.leaves:
-            ids = t.prompt_tokens.tolist()
-            for i in t.path(leaf):
-                n = t.nodes[i]
-                a, ids = len(ids), [*ids, *n.tokens.tolist()]
-                worst = max(
-                    worst, float(np.abs(np.array(vllm_backend.score(ids, a)) - n.behavior_logprobs).max())
-                )
-                ids += n.obs_tokens.tolist()
+    worst = worst_rescore_gap(trees, vllm_backend.score)
     assert worst <= 1e-5, worst

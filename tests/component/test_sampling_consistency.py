@@ -19,19 +19,15 @@ from system.policy import SamplingConfig
 SETTINGS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (0.6, 0.95, 20)]  # (temperature, top_p, top_k); 0 = top-k off
 
 
+def sampling_config(temperature: float, top_p: float, top_k: int, max_turn_tokens: int = 16):
+    """Small trees (M=2, N=1, 3 turns) sampled at the given setting; one mini-batch (both twins)."""
+    sampling = [f"sampler.temperature={temperature}", f"sampler.top_p={top_p}", f"sampler.top_k={top_k}"]
+    shape = ["algo.M=2", "algo.N=1", "env.max_turns=3", f"env.max_turn_tokens={max_turn_tokens}"]
+    return load_config(overrides=[*sampling, *shape, "learner.minibatches=1"])
+
+
 def sampled_trees(model_dir: str, temperature: float, top_p: float, top_k: int, n: int = 4):
-    cfg = load_config(
-        overrides=[
-            f"sampler.temperature={temperature}",
-            f"sampler.top_p={top_p}",
-            f"sampler.top_k={top_k}",
-            "algo.M=2",
-            "algo.N=1",
-            "env.max_turns=3",
-            "env.max_turn_tokens=16",
-            "learner.minibatches=1",
-        ]
-    )
+    cfg = sampling_config(temperature, top_p, top_k)
     backend = HFBackend(model_dir, sampling=SamplingConfig.of(cfg.sampler, seed=3))
     trees = build_sampler(cfg, model_dir, backend=backend).sample(n)
     return cfg, [credit_rollout_tree(t, cfg.algo) for t in trees]

@@ -306,23 +306,12 @@ def test_learner_scores_vllm_trees_under_their_sampling_distribution(
     from transformers import AutoModelForCausalLM
 
     from actors.sampler_setup import build_sampler
-    from configs.schema import load_config
     from learner.learner import Learner
     from system.credit import credit_rollout_tree
     from system.policy import SamplingConfig
+    from tests.component.test_sampling_consistency import sampling_config
 
-    cfg = load_config(
-        overrides=[
-            f"sampler.temperature={temperature}",
-            f"sampler.top_p={top_p}",
-            f"sampler.top_k={top_k}",
-            "algo.M=2",
-            "algo.N=1",
-            "env.max_turns=3",
-            "env.max_turn_tokens=12",
-            "learner.minibatches=1",
-        ]
-    )
+    cfg = sampling_config(temperature, top_p, top_k, max_turn_tokens=12)
     saved, vllm_backend.sampling = vllm_backend.sampling, SamplingConfig.of(cfg.sampler, seed=5)
     try:
         trees = build_sampler(cfg, str(tiny_model_dir), backend=vllm_backend).sample(4)

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from configs.schema import load_config
 from faults.audit import audit_store
 from faults.processes import kill_role
 from runtime.driver import Driver, start_topology, stop_topology
@@ -19,25 +18,15 @@ from runtime.restart_policy import RoleFailed, batch_audit
 from runtime.supervision import sampler_restarts
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
+from tests.ray.test_train_e2e import small_cfg as train_e2e_cfg
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 B, STEPS = 2, 10
 
 
 def small_cfg(run_dir, **extra):
-    overrides = {
-        "run.run_dir": str(run_dir),
-        "learner.batch_trees": B,
-        "learner.minibatches": 2,
-        "sampler.num_samplers": 2,
-        "algo.M": 2,
-        "algo.N": 1,
-        "env.max_turns": 3,
-        "env.max_turn_tokens": 16,
-        "store.eta": 1,
-        **extra,
-    }
-    return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
+    """test_train_e2e's small run with batches of B trees."""
+    return train_e2e_cfg(run_dir, **{"learner.batch_trees": B, **extra})
 
 
 class StepKiller(threading.Thread):
