@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from actors.protocols.base import AgentProtocol, render
-from actors.protocols.qwen3 import TOOLS_BLOCK, template_handles_tools
+from actors.protocols.qwen3 import system_with_tools, template_handles_tools
 
 _SENTINEL = "<<TREEOPSD_EXTERNAL_TURN>>"
 _BASE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
@@ -76,8 +76,6 @@ def template_message(m: dict[str, Any]) -> dict[str, Any]:
 
 def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The qwen3 protocol's fallback: the schemas and the call format appended to the system message."""
-    example = json.dumps({"name": "search", "arguments": {"query": "..."}})
-    block = TOOLS_BLOCK.format(example=example, schemas="\n".join(json.dumps(t) for t in tools))
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": messages[0]["content"] + block}, *messages[1:]]
-    return [{"role": "system", "content": block.lstrip()}, *messages]
+        return [{**messages[0], "content": system_with_tools(messages[0]["content"], tools)}, *messages[1:]]
+    return [{"role": "system", "content": system_with_tools("", tools).lstrip()}, *messages]

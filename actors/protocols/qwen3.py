@@ -35,6 +35,14 @@ TOOLS_BLOCK = (
 )
 
 
+def system_with_tools(system: str, tools: list[dict[str, Any]]) -> str:
+    """`system` with the tool schemas and the call format appended, for a template that ignores `tools=`
+    (this protocol's prompt, and an outside harness's through actors/external/render.py)."""
+    example = call_json(ToolCall("search", {"query": "..."}))
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return system + TOOLS_BLOCK.format(example=example, schemas=schemas)
+
+
 def template_handles_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> bool:
     """Whether the chat template renders `tools=` (the `auto` protocol's test, with `<tool_call>` in it)."""
     if not tools or tokenizer.chat_template is None:
@@ -59,9 +67,7 @@ class Qwen3Protocol(AgentProtocol):
 
     def prompt_messages(self, system: str, user: str) -> list[dict[str, Any]]:
         if self.tools and not self.template_tools:  # the template would drop the schemas
-            example = call_json(ToolCall("search", {"query": "..."}))
-            schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools)
-            system += TOOLS_BLOCK.format(example=example, schemas=schemas)
+            system = system_with_tools(system, self.tools)
         return super().prompt_messages(system, user)
 
     def parse(self, text: str) -> ToolCall | ParseError:
