@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -58,8 +59,7 @@ class SamplerHealth(FaultAwareApply):
     """What RLlib's FaultTolerantActorManager needs of a sampler actor (health probes, `apply`)."""
 
     # FaultAwareApply.apply() reads these when an applied call raises
-    config = type("SamplerRestarts", (), {"restart_failed_env_runners": True})()
-    config.delay_between_env_runner_restarts_s = 0  # type: ignore[attr-defined]
+    config = SimpleNamespace(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=0)
 
 
 SamplerActor = host_class("SamplerActor", TreeSampler, build_sampler, SamplerHealth)
