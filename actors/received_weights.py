@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from system.weight_codec import TensorSpec
+from system.weight_codec import NamedWeights, TensorSpec
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: map every page now, without breaking copy-on-write
 _SEALS = sum(getattr(fcntl, f"F_SEAL_{name}", 0) for name in ("WRITE", "SHRINK", "GROW")) or -1
@@ -68,7 +68,8 @@ class SealedMemfd:
         self._close()
 
 
-class ReceivedWeights(dict[str, Any]):
-    """name -> array (numpy; torch for bfloat16), views of one buffer; `memfd`: see the module docstring."""
+class ReceivedWeights(NamedWeights):
+    """name -> array (numpy; torch for bfloat16), views of one buffer; `meta`: the header's (a LoRA adapter's:
+    system/lora_sync.py); `memfd`: see the module docstring."""
 
     memfd: SealedMemfd | None = None

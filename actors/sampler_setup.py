@@ -162,8 +162,9 @@ def external_trees(cfg: Config, protocol: Any) -> Any:
     harness = load_harness(str(e.harness))
     endpoint = AgentEndpoint(e.agent_host, e.agent_port, e.agent_token, wait_s=e.harness_timeout_s)
     bounds = SamplingBounds(cfg.sampler.temperature, cfg.sampler.top_p)
-    limits = HarnessLimits(e.harness_timeout_s, e.reward_timeout_s)
-    return ExternalTrees(harness, endpoint, Templates(protocol), bounds, limits)
+    limits = HarnessLimits(e.harness_timeout_s, e.reward_timeout_s, e.harness_max_failures)
+    templates = Templates(protocol)
+    return ExternalTrees(harness, endpoint, templates, bounds, limits, str(e.harness), e.side_calls)
 
 
 def build_sampler(

@@ -57,11 +57,14 @@ class TreeShape:
 
 class TreeSource(Protocol):
     """Where trees come from instead of the own agent loop: a harness driven through the agent endpoint
-    (actors/external/trees.py, `env.harness`). Admission, commit and metrics stay the sampler's."""
+    (actors/external/trees.py, `env.harness`). Admission, commit and metrics stay the sampler's; its own
+    counters (`metrics()`) join the sampler's metrics."""
 
     def grow(
         self, sampler: TreeSampler, tasks: Sequence[Task], rng: np.random.Generator, ids: Sequence[str]
     ) -> list[RolloutTree]: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
 
@@ -194,6 +197,8 @@ class TreeSampler:
         stats = dict(self.stats)
         stats.update(getattr(self.env, "metrics", dict)())  # e.g. env/retrieval_errors (a retrieval service)
         stats.update(getattr(self.weights, "metrics", dict)())  # e.g. weights/rejected (the subscriber)
+        if self.external is not None:  # e.g. external/rejected_requests (the agent endpoint)
+            stats.update(self.external.metrics())
         stats["sampler/version"] = float(self.version())
         elapsed = time.perf_counter() - self.started
         stats["sampler/idle_ratio"] = max(0.0, 1.0 - stats["sampler/busy_s"] / max(elapsed, 1e-9))

@@ -302,7 +302,7 @@ class WeightSubscriber:
                 memfd.close()
             raise
         self._stats["verified"] = "sealed" if trusted else "checksums"
-        out = ReceivedWeights(asm.finish(self.bfloat16))
+        out = ReceivedWeights(asm.finish(self.bfloat16), header.meta)
         out.memfd = memfd
         return out
 

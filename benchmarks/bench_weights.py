@@ -21,6 +21,13 @@ loaded into an HF model with HFBackend.load_weights in the subscriber process); 
 machine's load at the end: other processes share it). With vLLM importable, benchmarks/weights_vllm.py adds
 `inplace_over_file` (loading into one vLLM engine in place over the file-based reload, same bf16 payload,
 goal >= 1.5) and `apply_s_vllm` (publish until loaded into that engine); `vllm` says whether they ran.
+
+Adapter-only sync (system/lora_sync.py), at the same model: a rank-ADAPTER_RANK LoRA adapter (lora_A, lora_B
+of every attention and MLP projection, float32) published as a LoRA learner publishes it to HF samplers, to
+one same-host subscriber, side by side with the full weights: adapter_rank, adapter_mb, full_bytes and
+adapter_bytes (payload sizes, alignment included), full_over_adapter_bytes, adapter_publish_s and
+adapter_broadcast_s_1 (as publish_s and broadcast_s_1), full_over_adapter_publish_s and
+full_over_adapter_broadcast_s (how many times faster the adapter is).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import zmq
 from benchmarks.workloads import qwen2_config_for_bytes, wait_until
 
 HIDDEN, FFN, HEADS, KV_HEADS = 512, 1536, 8, 2
+ADAPTER_RANK = 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _config(target_bytes: int) -> dict[str, Any]:
@@ -53,6 +62,23 @@ def _payload(cfg: dict[str, Any]) -> dict[str, np.ndarray]:
         model = Qwen2ForCausalLM(Qwen2Config(**cfg))
     rng = np.random.default_rng(0)
     return {k: rng.standard_normal(tuple(v.shape), np.float32) for k, v in model.state_dict().items()}
+
+
+def _adapter(cfg: dict[str, Any], rank: int = ADAPTER_RANK) -> Any:
+    """A LoRA adapter of that model as the learner publishes it (learner/lora.py `adapter_weights`)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from system.lora_sync import adapter_message
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    rng, tensors = np.random.default_rng(1), {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS:
+            tensors[f"{name}.lora_A"] = rng.standard_normal((rank, module.in_features), np.float32)
+            tensors[f"{name}.lora_B"] = rng.standard_normal((module.out_features, rank), np.float32)
+    return adapter_message(tensors, 2.0, rank, "bench")
 
 
 # ---- subscriber processes -------------------------------------------------------------------------------
@@ -203,10 +229,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     quick = bool(getattr(args, "quick", False))
     reps = 3 if quick else 5
     cfg = _config((32 if quick else 264) << 20)  # 31 MiB, or 262 MiB: at least 256
-    payload = _payload(cfg)
+    payload, adapter = _payload(cfg), _adapter(cfg)
     nbytes = sum(a.nbytes for a in payload.values())
     shapes = {"raw": None, "ours_1": ("auto", 1), "ours_4": ("auto", 4), "tcp_1": ("tcp", 1)}
-    shapes.update({"tcp_4": ("tcp", 4), "apply": ("apply", 1)})
+    shapes.update({"tcp_4": ("tcp", 4), "apply": ("apply", 1), "adapter": ("auto", 1)})
     cases: dict[str, Any] = {}
     best = dict.fromkeys(shapes, float("inf"))
     try:
@@ -218,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # pre-allocated, and none is allocating or hashing in the background while another is timed.
                 wait_until(lambda: all(c.ready() for c in cases.values()), "every publisher's spare and hash")
                 time.sleep(0.1)
-                dt = case.once(payload, version)
+                dt = case.once(adapter if name == "adapter" else payload, version)
                 if version > 1:
                     best[name] = min(best[name], dt)
     finally:
@@ -242,9 +268,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "broadcast_tcp_s_4": r(best["tcp_4"]),
         "tcp_fanout4_over_fanout1": r(best["tcp_4"] / best["tcp_1"]),
         "apply_s_hf": r(best["apply"]),
+        **_adapter_figures(cases, best, adapter),
         "transport": "shm",
         **vllm,
         "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def _adapter_figures(cases: dict[str, Any], best: dict[str, float], adapter: Any) -> dict[str, Any]:
+    full_b, adapter_b = (cases[k].pub.stats()["payload_bytes"] for k in ("ours_1", "adapter"))
+    full_s, adapter_s = cases["ours_1"].publish_s, cases["adapter"].publish_s
+    return {
+        "adapter_rank": ADAPTER_RANK,
+        "adapter_mb": round(sum(a.nbytes for a in adapter.values()) / 2**20, 4),
+        "full_bytes": full_b,
+        "adapter_bytes": adapter_b,
+        "full_over_adapter_bytes": round(full_b / adapter_b, 2),
+        "adapter_publish_s": round(adapter_s, 4),
+        "full_over_adapter_publish_s": round(full_s / adapter_s, 2),
+        "adapter_broadcast_s_1": round(best["adapter"], 4),
+        "full_over_adapter_broadcast_s": round(best["ours_1"] / best["adapter"], 2),
     }
 
 

@@ -3,9 +3,9 @@ settings (docs/configuration.md; docs/algorithm.md for what each means)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic.functional_validators import model_validator
 from pydantic.types import StrictBool, StrictInt
 
@@ -29,11 +29,18 @@ class AlgoConfig(Section):
     mask_truncated_turn: StrictBool = False
     behavior_logprobs: Literal["sampler", "recompute"] = "sampler"
     # the loss's reference (docs/algorithm.md §11.1): the stored μ, or π_prox = the learner's weights when the
-    # step starts (one no-grad forward per batch); the μ → π_prox gap is then corrected by rollout_correction
-    proximal: Literal["behavior", "step_start"] = "behavior"
-    rollout_correction: Literal["none", "token_tis", "seq_is", "token_mask", "seq_mask"] = "none"
-    is_threshold: Annotated[Float, Field(gt=1)] = 2.0  # C: token_tis / seq_is weights are min(ratio, C)
-    mask_band: Band = (0.5, 2.0)  # token_mask / seq_mask keep ratios π_prox/μ inside [low, high]
+    # step starts (one no-grad forward per batch), the μ → π_prox gap corrected by rollout_correction.
+    # auto (resolved at load by `resolve_offpolicy`): step_start with the method's correction in
+    # run.mode = async, where turns come from older versions; behavior with none in sync mode
+    proximal: Literal["auto", "behavior", "step_start"] = "auto"
+    rollout_correction: Literal[
+        "auto", "none", "token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis"
+    ] = "auto"
+    is_threshold: Annotated[Float, Field(gt=1)] = (
+        2.0  # C: the *_tis weights are min(ratio, C); prod_mis's cut
+    )
+    mask_band: Band = (0.5, 2.0)  # token_mask keeps tokens whose ratio π_prox/μ is inside [low, high]
+    geo_band: Band = (0.9, 1.1)  # geo_mask keeps units whose geometric-mean ratio is inside [low, high]
     grpo_clip: Clip = (0.2, 0.2)
     gspo_clip: Clip = (3e-4, 4e-4)
     treepo_clip: Clip = (0.2, 0.28)
@@ -54,17 +61,51 @@ class AlgoConfig(Section):
 
     @model_validator(mode="after")
     def _proximal(self) -> Self:
-        fixed = self.rollout_correction == "none" or self.proximal == "step_start"
+        fixed = self.rollout_correction in ("none", "auto") or self.proximal in ("step_start", "auto")
         rule(self, fixed, "rollout_correction", "none unless algo.proximal = step_start (π_prox/μ ≡ 1)")
-        one = self.proximal == "behavior" or self.behavior_logprobs == "sampler"
+        one = self.proximal != "step_start" or self.behavior_logprobs == "sampler"
         why = "behavior unless algo.behavior_logprobs = sampler (recompute makes μ the step-start policy)"
         return rule(self, one, "proximal", why)
+
+    @model_validator(mode="after")
+    def _correction_fits_method(self) -> Self:
+        # docs/algorithm.md §11.1: TreeOPSD's credit is per turn, so only the turn's product ratio corrects
+        # it; the PPO-family losses centred on π_prox with μ's samples left uncorrected are worse than
+        # centring them on μ (proximal = behavior)
+        mode = self.rollout_correction
+        if self.method == "treeopsd":
+            ok = mode in ("auto", "none", "prod_tis", "prod_mis")
+            why = (
+                "none, prod_tis or prod_mis with algo.method = treeopsd (token and geometric-mean weights "
+                "are biased on turns of more than one token)"
+            )
+            return rule(self, ok, "rollout_correction", why)
+        ok = not (self.proximal == "step_start" and mode == "none")
+        why = f"a correction with algo.proximal = step_start and algo.method = {self.method}"
+        why += ", or algo.proximal = behavior"
+        return rule(self, ok, "rollout_correction", why)
 
     @model_validator(mode="after")
     def _listwise_rho(self) -> Self:
         # |V_c − V_parent| is not bounded by the ρ calibration (system/teacher.py)
         listwise_ok = self.credit != "listwise" or self.rho < 0.25
         return rule(self, listwise_ok, "rho", "< 0.25 with algo.credit = listwise, so q stays in (0, 1)")
+
+    def resolved(self, off_policy: bool) -> dict[str, str]:
+        """The `auto` values (the keys to replace; {} when none is auto): step_start and the method's
+        correction when the run's turns come from another policy than the learner's (`off_policy`), else
+        behavior."""
+        out: dict[str, str] = {}
+        proximal = self.proximal
+        if proximal == "auto":
+            stale = off_policy and self.behavior_logprobs == "sampler"
+            proximal = out["proximal"] = "step_start" if stale else "behavior"
+        if self.rollout_correction == "auto":
+            tree = self.method == "treeopsd"
+            out["rollout_correction"] = (
+                "none" if proximal == "behavior" else "prod_tis" if tree else "token_tis"
+            )
+        return out
 
     @property
     def is_tree_method(self) -> bool:
@@ -79,3 +120,36 @@ class AlgoConfig(Section):
     def expected_cost(self) -> float:
         """Full-trajectory equivalents per prompt, docs/algorithm.md §2.3: M(1 + N/2), or G."""
         return self.M * (1 + self.N / 2) if self.is_tree_method else float(self.G)
+
+
+def resolve_offpolicy(data: Any) -> Any:
+    """`data` (a Config's input) with the algo section's `auto` values filled in; unchanged when nothing is
+    auto or a section is malformed (its own validation then names the problem). Off-policy: run.mode = async
+    (samplers run ahead of the learner), run.sampler_lag > 0, or a learner.temperature apart from the
+    sampler's."""
+    if not isinstance(data, dict):
+        return data
+    algo = data.get("algo", {})
+    mode, lag = _raw(data, "run", "mode", "async"), _raw(data, "run", "sampler_lag", 0)
+    t_learner, t_sampler = (
+        _raw(data, "learner", "temperature", None),
+        _raw(data, "sampler", "temperature", 1.0),
+    )
+    off_policy = mode == "async" or lag != 0 or (t_learner is not None and t_learner != t_sampler)
+    try:  # a section given as a model is taken as it is; a malformed one is left to its own validation
+        section = (
+            algo if isinstance(algo, AlgoConfig) else AlgoConfig(**algo) if isinstance(algo, dict) else None
+        )
+    except ValidationError:
+        return data
+    update = section.resolved(off_policy) if section is not None else {}
+    if not update:
+        return data
+    raw = algo if isinstance(algo, dict) else algo.model_dump()
+    return {**data, "algo": {**raw, **update}}
+
+
+def _raw(data: dict[str, Any], section: str, key: str, default: Any) -> Any:
+    """data[section][key] whether the section is still a mapping or already a model; `default` if unset."""
+    value = data.get(section, {})
+    return value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ipaddress
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
@@ -22,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pydantic.functional_validators import AfterValidator, model_validator
 from pydantic.types import StrictBool, StrictInt, StrictStr
 
-from configs.algo import AlgoConfig
+from configs.algo import AlgoConfig, resolve_offpolicy
 from configs.engine_args import check_engine_args
 from configs.fields import (
     HEAD_DIMS,
@@ -40,11 +41,15 @@ from configs.fields import (
     Url,
     rule,
 )
+from configs.lora import LoraConfig
 from configs.messages import Allowed, message
 
 
 class ConfigError(ValueError):
     """A configuration problem, naming the key."""
+
+
+AGENT_TOKEN_ENV = "TREEOPSD_AGENT_TOKEN"  # env.agent_token's fallback (actors/external/endpoint.py)
 
 
 _Section = Section
@@ -126,10 +131,13 @@ class EnvConfig(_Section):
         | None
     ) = None
     harness_timeout_s: PosFloat = 120.0  # one run of the harness; past it the episode is dropped
+    harness_max_failures: PosInt = 32  # episodes (trunks) dropped in a row that stop the run, naming it
     reward_timeout_s: NonNegFloat = 10.0  # a run that returned None: wait this long for POST /v1/reward
     agent_host: Host = "127.0.0.1"  # the endpoint's bind address (not loopback: needs env.agent_token)
-    agent_port: Annotated[StrictInt, Field(ge=0, le=65535), Allowed(PORT_ALLOWED)] = 0  # 0: a free port
+    # 0: a free port per sampler; a fixed port needs sampler.num_samplers = 1 (one endpoint per sampler)
+    agent_port: Annotated[StrictInt, Field(ge=0, le=65535), Allowed(PORT_ALLOWED)] = 0
     agent_token: NonEmptyStr | None = None  # unset: $TREEOPSD_AGENT_TOKEN, if any
+    side_calls: Literal["train", "exclude"] = "train"  # a harness's side calls: linked trees, or unstored
 
     @model_validator(mode="after")
     def _retriever_rules(self) -> Self:
@@ -143,7 +151,11 @@ class EnvConfig(_Section):
     @model_validator(mode="after")
     def _harness_rules(self) -> Self:
         ok = self.harness is None or self.protocol == "qwen3"  # OpenAI tool calls ⇔ `<tool_call>` JSON
-        return rule(self, ok, "protocol", "'qwen3' with env.harness (tool calls as <tool_call> JSON)")
+        rule(self, ok, "protocol", "'qwen3' with env.harness (tool calls as <tool_call> JSON)")
+        token = self.agent_token or os.environ.get(AGENT_TOKEN_ENV)  # as the endpoint resolves it
+        ok = self.harness is None or is_loopback(self.agent_host) or bool(token)
+        why = f"a loopback address, or env.agent_token (or ${AGENT_TOKEN_ENV}) set: required off loopback"
+        return rule(self, ok, "agent_host", why)
 
     @model_validator(mode="after")
     def _turn_fits_budget(self) -> Self:
@@ -196,6 +208,15 @@ class LearnerConfig(_Section):
     ranks: PosInt = 1
     # A collective not joined by every rank within this fails the step, naming the lost rank (ranks > 1)
     collective_timeout_s: PosFloat = 300.0
+    # π's temperature in the losses and the proximal pass; None: sampler.temperature (μ and π the same
+    # distribution). Set apart only to force a known sampler/learner mismatch (configs/offpolicy_table.yaml)
+    temperature: PosFloat | None = None
+    lora: LoraConfig = Field(default_factory=LoraConfig)  # low-rank adapters (learner/lora.py); rank 0: off
+
+    @model_validator(mode="after")
+    def _lora_on_one_rank(self) -> Self:  # FSDP2 shards, DCP and the ranks' publishing know no adapters yet
+        why = f"0 with learner.ranks = {self.ranks} (LoRA trains on one learner process: learner.ranks = 1)"
+        return rule(self, self.lora.rank == 0 or self.ranks == 1, "lora.rank", why)
 
 
 class StoreConfig(_Section):
@@ -266,12 +287,27 @@ class Config(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_offpolicy(cls, data: Any) -> Any:
+        """`algo.proximal` / `algo.rollout_correction` = auto take their values for an off-policy or an
+        on-policy run before the sections are checked (configs/algo.py `resolve_offpolicy`)."""
+        return resolve_offpolicy(data)
+
     @model_validator(mode="after")
     def _recompute_needs_sync(self) -> Self:
         # Recomputed μ is θ_old at the learner; in async mode turns come from older versions (algorithm §11).
         ok = self.algo.behavior_logprobs != "recompute" or self.admission_eta == 0
         why = "'sampler' in async mode (recompute needs run.mode = sync or store.eta = 0)"
         return rule(self, ok, "algo.behavior_logprobs", why)
+
+    @model_validator(mode="after")
+    def _one_sampler_per_agent_port(self) -> Self:
+        # every sampler serves its own endpoint: a fixed port can be bound by one of them only
+        n = self.sampler.num_samplers
+        ok = self.env.harness is None or self.env.agent_port == 0 or n == 1
+        why = f"0 (a free port per sampler) with sampler.num_samplers = {n}, or sampler.num_samplers = 1"
+        return rule(self, ok, "env.agent_port", why)
 
     @model_validator(mode="after")
     def _flex_needs_a_gpu(self) -> Self:

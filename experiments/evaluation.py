@@ -138,6 +138,10 @@ def _row(e: Any, info: dict[str, Any], recall: float | None = None) -> dict[str,
         "f1": float(info.get("f1", 0.0)),
         "finish": str(e.finish),
         "turns": len(e.nodes),
+        # Σ log-probs of the sampled turn tokens and their count: at temperature 1, −Σ/count estimates the
+        # policy's per-token entropy along its own episodes
+        "logp_sum": sum(float(e.builder.node(j).behavior_logprobs.sum()) for j in e.nodes),
+        "tokens": sum(len(e.builder.node(j).behavior_logprobs) for j in e.nodes),
     }
 
 
@@ -162,6 +166,9 @@ def _stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "answered": round(answered, 4),
         "mean_turns": mean("turns"),
     }
+    tokens = sum(r.get("tokens", 0) for r in rows)
+    if tokens:
+        out["token_nll"] = round(-sum(r.get("logp_sum", 0.0) for r in rows) / tokens, 4)
     recalls = [r["recall"] for r in rows if r.get("recall") is not None]
     if recalls:  # tasks with qrels: the fraction of their gold documents some search returned
         out["retrieval_recall"] = round(sum(recalls) / len(recalls), 4)

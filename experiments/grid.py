@@ -40,6 +40,7 @@ SPEC_KEYS = {
     "samples",
     "ablation_seeds",
     "select",
+    "gradient_bias",  # read by experiments/offpolicy_bias.py, not by the grid
 }
 ROW_KEYS = {"name", "group", "train", "set"}
 QUICK_KEYS = {"seeds", "ablation_seeds", "steps", "eval_tasks", "samples"}

@@ -23,6 +23,9 @@ DIAGNOSTICS = (
     ("tree/truncated_frac", "cut turns"),
 )
 
+# held-out sampled episodes (T = 1): −mean log π of their tokens, an estimate of the trained policy's entropy
+ENTROPY = ("eval/sampled_token_nll", "entropy after (nats/token, T=1)")
+
 
 def mean_se(xs: Sequence[float]) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n)); se is nan for a single value."""
@@ -73,6 +76,8 @@ def rows_summary(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[d
         ]
         summary["reward_rise"] = mean_se(rises)
         summary["diagnostics"] = {key: mean_se(_curve_means(got, key)) for key, _ in DIAGNOSTICS}
+        nll = [r["eval"]["sampled"]["token_nll"] for r in got if "token_nll" in r["eval"].get("sampled", {})]
+        summary["diagnostics"][ENTROPY[0]] = mean_se(nll)  # the policy's entropy after training, per token
         summary["train_s"] = sum(r.get("train_s", 0.0) for r in got) / max(1, len(got))
         out.append(summary)
     return out
@@ -102,7 +107,9 @@ def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
     head = ["group", "method", "cost", "seeds", "greedy success", *(f"{h}-hop" for h in hops)]
     head += [f"sampled pass@1 (T=1, {spec.samples}/question)", f"pass@{spec.samples}", "train reward rise"]
     diag = [
-        (k, name) for k, name in DIAGNOSTICS if any(not math.isnan(s["diagnostics"][k][0]) for s in summary)
+        (k, name)
+        for k, name in (*DIAGNOSTICS, ENTROPY)
+        if any(not math.isnan(s["diagnostics"].get(k, (math.nan,))[0]) for s in summary)
     ]
     head += [name for _, name in diag]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]

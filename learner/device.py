@@ -1,7 +1,8 @@
 """Where and how the learner computes: its device, bf16, gradient checkpointing (docs/design.md §11).
 
     device = learner_device(cfg)            # cuda when resources.learner.num_gpus > 0, else cpu
-    prepare_model(model, cfg, device)       # moved there, fp32 master weights, dropout off, checkpointing
+    prepare_model(model, cfg, device)       # moved there, fp32 master weights, dropout off, checkpointing,
+                                            # LoRA adapters when learner.lora.rank > 0 (learner/lora.py)
     with compute_scope(device, cfg.learner.precision): forward      # bf16 matmuls or nothing
 
 **One bf16 path, on one rank or many.** Mixed precision is autocast over fp32 parameters: every matmul casts
@@ -23,6 +24,7 @@ recompute, a memory-bound pass over the weights that is small beside the layer's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Literal
 
@@ -30,6 +32,8 @@ import torch
 from torch import nn
 
 from configs.schema import Config
+from learner.lora import apply_lora
+from system.policy import SamplingConfig
 
 
 def learner_device(cfg: Config) -> torch.device:
@@ -47,8 +51,10 @@ def learner_device(cfg: Config) -> torch.device:
 
 def prepare_model(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
     """Moves the model to `device` in float32 (the master weights), turns dropout off (the first mini-batch
-    must run exactly at θ_old) and enables gradient checkpointing when configured."""
+    must run exactly at θ_old), enables gradient checkpointing and LoRA (frozen base, adapters made on the
+    device in fp32) when configured."""
     model.to(device=device, dtype=torch.float32)
+    apply_lora(model, cfg.learner.lora)
     if cfg.learner.grad_checkpointing:
         # HF checkpoints its decoder layers only in train mode; non-reentrant, so kwargs (the tree plan)
         # pass through and no input needs requires_grad.
@@ -93,11 +99,28 @@ def attention_for(cfg: Config, device: torch.device) -> Literal["tree", "flex"]:
 def adamw(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over the fp32 master weights; on CUDA the fused kernel for a one-process learner: one launch
     per step and no temporaries (the foreach kernel's intermediates are another copy of the parameters,
-    16 GB for a 4B model, at the step's peak). Sharded (DTensor) parameters keep the foreach kernel."""
+    16 GB for a 4B model, at the step's peak). Sharded (DTensor) parameters keep the foreach kernel. Only
+    the parameters that train: with LoRA the adapters, and no moments for the frozen base."""
     from torch.distributed.tensor import DTensor
 
-    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    sharded = any(isinstance(p, DTensor) for p in trained)
     fused = device.type == "cuda" and not sharded
     return torch.optim.AdamW(
-        model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, fused=fused or None
+        trained, lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, fused=fused or None
     )
+
+
+def warmup_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], version: int, warmup: int) -> None:
+    """Linear warmup over `warmup` learner steps; a function of the version, so a resumed run continues the
+    same schedule."""
+    scale = min(1.0, (version + 1) / warmup) if warmup else 1.0
+    for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+        group["lr"] = base * scale
+
+
+def learner_sampling(cfg: Config) -> SamplingConfig:
+    """The distribution π is scored under: μ's (`sampler.*`), at `learner.temperature` where that is set."""
+    base = SamplingConfig.of(cfg.sampler)
+    t = cfg.learner.temperature
+    return base if t is None else dataclasses.replace(base, temperature=t)

@@ -33,15 +33,17 @@ def mismatch_sums(
     return float((-d).sum()), float((torch.expm1(d) - d).sum()), int(on.sum())
 
 
-def turn_diagnostics(packed: PackedBatch, logp: torch.Tensor) -> dict[str, float]:
-    """TreeOPSD's per-turn view for every method: mean |s|, overshoot fraction, KL to the teacher (s against
-    the loss's reference: π_prox when the step scored one, else μ)."""
+def turn_diagnostics(
+    packed: PackedBatch, logp: torch.Tensor, ref: torch.Tensor | None = None, c: torch.Tensor | None = None
+) -> dict[str, float]:
+    """TreeOPSD's per-turn view for every method: mean |s|, overshoot fraction, KL to the teacher, with s
+    against the loss's reference `ref` (learner/minibatch.py `loss_reference`: π_prox when the step scored
+    one, else μ; default: μ) and, for TreeOPSD, the rollout correction's token weights `c` as its loss
+    weighs them (None: unweighted)."""
     on = packed.owned & (packed.turn_ids >= 0)
     turn_ids = torch.where(on, packed.turn_ids, -1).flatten()
-    ref = (
-        packed.behavior_logp if packed.proximal_logp is None else packed.proximal_logp
-    )  # the loss's reference
-    _, st = treeopsd_loss(logp.flatten(), ref.flatten(), turn_ids, packed.q)
+    ref = packed.behavior_logp if ref is None else ref
+    _, st = treeopsd_loss(logp.flatten(), ref.flatten(), turn_ids, packed.q, token_weights=c)
     keys = ["mean_abs_s", "max_abs_s", "num_turns", "num_tokens", "nonfinite_tokens"]
     if packed.credited:  # relative to a teacher only when there is one (baselines may skip the backup)
         keys += ["overshoot_frac", "kl_to_target"]
@@ -52,7 +54,7 @@ def combine_microbatches(parts: list[dict[str, float]]) -> dict[str, float]:
     """Micro-batch stats → the mini-batch's: the loss shares and counts add up, maxima take the max, turn
     means are weighted by turns, token means by loss tokens, clip fractions by what they count over."""
     out: dict[str, float] = {}
-    add = ("loss", "tokens", "num_turns", "num_tokens", "nonfinite_tokens")
+    add = ("loss", "tokens", "num_turns", "num_tokens", "nonfinite_tokens", "weighted_tokens")
     for key in (
         *add,
         "mismatch_k1_sum",
@@ -106,6 +108,7 @@ def summarize_minibatches(per_mb: list[dict[str, float]]) -> dict[str, float]:
             "learner/loss_tokens": float(n_tok),
             "learner/max_abs_s": float(max(st["max_abs_s"] for st in per_mb)),
             "learner/nonfinite_tokens": float(sum(st["nonfinite_tokens"] for st in per_mb)),
+            "learner/skipped_minibatches": float(sum(st.get("skipped", 0.0) for st in per_mb)),
         }
     )
     return out
@@ -135,12 +138,17 @@ def nonfinite_turns(batches: list[PackedBatch]) -> list[int]:
 
 
 def microbatch_stats(
-    packed: PackedBatch, logp: torch.Tensor, stats: dict[str, float], version: int | None
+    packed: PackedBatch,
+    logp: torch.Tensor,
+    stats: dict[str, float],
+    version: int | None,
+    reference: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> dict[str, float]:
     """One micro-batch's stats (the parts `combine_microbatches` adds up): its loss stats and turn
-    diagnostics; with `version` (the step's first forward, at its starting weights), the mismatch sums over
+    diagnostics against `reference` = (ref, c), the loss's reference and TreeOPSD's token weights (None: μ,
+    unweighted); with `version` (the step's first forward, at its starting weights), the mismatch sums over
     the turns sampled at that version and over every turn."""
-    st = {**stats, **turn_diagnostics(packed, logp)}
+    st = {**stats, **turn_diagnostics(packed, logp, *(reference or (None, None)))}
     if version is not None:
         a, b, n = mismatch_sums(packed, logp, version)
         st.update(mismatch_k1_sum=a, mismatch_k3_sum=b, mismatch_n=float(n))

@@ -11,7 +11,7 @@ Data flow (docs/design.md §1)::
                 whole batch's path tokens;  TreeOPSD: q from tree.credit (backup actor)
     mini-batch  trees shuffled (seeded by run seed and version) and split into n_mb groups of *whole trees*:
                 a tree's turns share prefixes, so the packed forward needs the whole tree in one mini-batch
-    μ           stored sampler log-probs, or recomputed here at θ_old (behavior_logprobs=recompute)
+    μ, π_prox   stored sampler log-probs (or recomputed at θ_old); π_prox scored at the step start (§11.1)
     loop        for epoch, mini-batch: forward (tree-packed or path-by-path) → loss → backward → clip → AdamW
         ▼
     publish     version += 1; named_weights() → the weight source; the store learns the new version
@@ -24,9 +24,6 @@ The step count is the version (a resumed run restores it with the checkpoint). I
     learner.start(resume=False)             # publishes version 0 (or restores the newest checkpoint)
     stats = learner.train_step()            # None until B credited trees wait in the store
     stats = learner.step(trees)             # the training part alone, on any trees
-
-Mismatch (`learner/mismatch_kl`, k1, and `learner/mismatch_kl_k3`): stored μ against the learner's π over
-the turns sampled by the weights it holds (learner/diagnostics.py:mismatch_sums; docs/algorithm.md §11.1).
 """
 
 from __future__ import annotations
@@ -41,7 +38,15 @@ import torch
 from torch import nn
 
 from configs.schema import Config
-from learner.device import adamw, attention_for, compute_scope, learner_device, prepare_model
+from learner.device import (
+    adamw,
+    attention_for,
+    compute_scope,
+    learner_device,
+    learner_sampling,
+    prepare_model,
+    warmup_lr,
+)
 from learner.diagnostics import (
     combine_microbatches,
     microbatch_stats,
@@ -51,6 +56,7 @@ from learner.diagnostics import (
 )
 from learner.flex_attention import bucket_length, compiled_graphs
 from learner.forward import attention_scope, token_logprobs
+from learner.lora import published_weights, restore_with_adapter, save_with_adapter, served_parameters
 from learner.methods import METHODS
 from learner.minibatch import (
     MinibatchTargets,
@@ -58,23 +64,15 @@ from learner.minibatch import (
     minibatch_targets,
     pack_microbatch,
     plan_microbatches,
+    weighted_tokens,
 )
 from learner.packing import PackedBatch
 from learner.reference_pass import reference_pass
-from storage.checkpoint import (
-    DCP_FORMAT,
-    Checkpoint,
-    checkpoint_bytes,
-    checkpointed_metrics,
-    load_latest,
-    save_checkpoint,
-)
-from storage.dcp_checkpoint import restore_dcp
+from storage.checkpoint import Checkpoint, checkpoint_bytes, checkpointed_metrics, load_latest
 from system.credit import is_zero_variance, no_signal_stats
 from system.depth_correction import depth_weights
 from system.interfaces import StoreClient, WeightSource
 from system.microbatch import Piece
-from system.policy import SamplingConfig
 from system.staleness import batch_metrics, version_lags
 from system.tree import RolloutTree, check_nonfinite_fraction
 
@@ -89,8 +87,8 @@ class Learner:
     losses and gradients up to float rounding. The model moves to the learner's device (learner/device.py).
     """
 
-    # one process: safetensors + optimizer (storage/checkpoint.py); ShardedLearner: DCP shards per rank
-    write_checkpoint = staticmethod(save_checkpoint)
+    # one process: safetensors + optimizer (storage/checkpoint.py; LoRA: + the adapter); ShardedLearner: DCP
+    write_checkpoint = staticmethod(save_with_adapter)
 
     def __init__(
         self,
@@ -110,7 +108,7 @@ class Learner:
         self.method = METHODS[cfg.algo.method]  # its advantages, normalizer and loss (learner/methods.py)
         self.optimizer = optimizer or adamw(self.model, cfg, self.device)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]  # what a warmup scales
-        self.sampling = SamplingConfig.of(cfg.sampler)  # π is scored under the distribution μ sampled from
+        self.sampling = learner_sampling(cfg)  # π is scored under the distribution μ sampled from
         self.version = 0
         self.wait_s = 0.0
         self.lag_history: list[int] = []  # per-tree version lags since the last pop, for the histogram
@@ -168,7 +166,7 @@ class Learner:
     def _publish(self) -> float:
         t0 = time.perf_counter()
         if self.weights is not None:
-            self.weights.publish(self.named_weights(), self.version)
+            self.weights.publish(published_weights(self.model, self.cfg, self.named_weights), self.version)
         if self.store is not None:
             self.store.set_learner_version(self.version)
         return time.perf_counter() - t0
@@ -196,7 +194,7 @@ class Learner:
         """One update on a rollout batch, readable top to bottom: per epoch and mini-batch, each micro-batch's
         forward, its share of the method's loss, backward; then one clipped AdamW step."""
         t0, algo = time.perf_counter(), self.cfg.algo
-        self._set_lr()
+        warmup_lr(self.optimizer, self._base_lrs, self.version, self.cfg.learner.warmup_steps)
         batches, targets, stats = self._prepare(trees)
         per_mb: list[dict[str, float]] = []
         for epoch in range(self.cfg.learner.epochs):
@@ -210,8 +208,10 @@ class Learner:
                         ref, weights = loss_reference(algo, packed)  # μ or π_prox; the correction
                         loss, st = self.method.loss(algo, packed, logp.float(), ref, weights, targets[j])
                         loss.backward()
-                    st.update(loss=float(loss.detach()), tokens=float(packed.num_tokens))
-                    parts.append(microbatch_stats(packed, logp.detach(), st, self.version if first else None))
+                    st.update(loss=float(loss.detach()), **weighted_tokens(packed, weights))
+                    turn_view = (ref, None if self.method.trains_paths else weights)  # weights per turn token
+                    version = self.version if first else None
+                    parts.append(microbatch_stats(packed, logp.detach(), st, version, turn_view))
                 per_mb.append(self._optimizer_step(parts))
         self.version += 1
         stats.update(summarize_minibatches(per_mb))
@@ -236,17 +236,11 @@ class Learner:
         if self.cfg.algo.behavior_logprobs == "recompute" or self.proximal:  # one no-grad scoring pass
             scores, ranks = self._scored(batches), self._all_ranks
             batches = reference_pass(self.cfg.algo, batches, scores, self.version, ranks, stats)
-        self._check_nonfinite([p for micro in batches for p in micro])
+        real = [p for micro in batches for p in micro if isinstance(p, PackedBatch)]  # no padding passes
+        bad, total = np.sum(self._all_ranks(nonfinite_turns(real)), axis=0)  # over every rank
+        check_nonfinite_fraction(int(bad), int(total), self.cfg.algo.nonfinite_turn_limit)  # §10: refused
         stats.update(padding_stats([p for micro in batches for p in micro]))
         return batches, targets, stats
-
-    def _set_lr(self) -> None:
-        """Linear warmup over `learner.warmup_steps` learner steps; a function of the version, so a resumed
-        run continues the same schedule."""
-        warmup = self.cfg.learner.warmup_steps
-        scale = min(1.0, (self.version + 1) / warmup) if warmup else 1.0
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
-            group["lr"] = base * scale
 
     def _select(self, trees: Sequence[RolloutTree]) -> list[RolloutTree]:
         algo = self.cfg.algo
@@ -315,13 +309,6 @@ class Learner:
         """`value` from every rank (one here; the sharded learner gathers)."""
         return [value]
 
-    def _check_nonfinite(self, batches: list[PackedBatch]) -> None:
-        """Refuses the batch when too many turns (over every rank) have a non-finite μ on an owned loss token
-        (docs/algorithm.md §10); the sharded learner's padding passes are not batches and are skipped."""
-        parts = self._all_ranks(nonfinite_turns([b for b in batches if isinstance(b, PackedBatch)]))
-        limit = self.cfg.algo.nonfinite_turn_limit
-        check_nonfinite_fraction(sum(int(a) for a, _ in parts), sum(int(t) for _, t in parts), limit)
-
     # ---- one mini-batch: what the sharded learner does differently ------------------------------------
     def _passes(self, micro: list[PackedBatch]) -> Iterator[PackedBatch]:
         """The micro-batches this process runs forward and backward (the sharded learner's padding passes
@@ -329,11 +316,15 @@ class Learner:
         return iter(micro)
 
     def _optimizer_step(self, parts: list[dict[str, Any]]) -> dict[str, float]:
-        """The clipped AdamW step after the mini-batch's backward passes; its combined stats."""
+        """The clipped AdamW step after the mini-batch's backward passes (none when the correction left it
+        no token: AdamW's momentum and decay would still move the weights); its combined stats."""
+        combined = combine_microbatches(parts)
+        if not combined.get("weighted_tokens", 1.0):
+            return {**combined, "grad_norm": 0.0, "skipped": 1.0}
         clip = self.cfg.learner.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         self.optimizer.step()
-        return {**combine_microbatches(parts), "grad_norm": float(norm)}
+        return {**combined, "grad_norm": float(norm)}
 
     def logprobs(self, packed: PackedBatch) -> torch.Tensor:
         """π's log-probs of the loss tokens (`forward.token_logprobs`), under the precision's scope."""
@@ -360,9 +351,10 @@ class Learner:
     # ---- weights and checkpoints ------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the parameters in `weights.dtype` (tied weights once, as save_pretrained
-        writes them); copies, so a publisher may serialize them while the next step updates the model."""
+        writes them; with LoRA merged, learner/lora.py); copies, so a publisher may serialize them while the
+        next step updates the model."""
         dtype = getattr(torch, self.cfg.weights_dtype)
-        return {n: p.detach().to("cpu", dtype, copy=True) for n, p in self.model.named_parameters()}
+        return {n: p.detach().to("cpu", dtype, copy=True) for n, p in served_parameters(self.model).items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's live state dict (shares storage with the parameters)."""
@@ -390,11 +382,8 @@ class Learner:
     def restore(self, run_dir: str | Path) -> Checkpoint | None:
         """Loads the newest valid checkpoint into model, optimizer and RNGs; None if there is none."""
         ckpt = load_latest(run_dir)
-        if ckpt is not None:
-            if ckpt.meta.get("format") == DCP_FORMAT:  # a sharded run's checkpoint, restored in one process
-                restore_dcp(ckpt, self.model, self.optimizer)
-            else:
-                ckpt.restore(self.model, self.optimizer)
+        if ckpt is not None:  # one rank's, a sharded run's (DCP) or a LoRA run's adapter (learner/lora.py)
+            restore_with_adapter(ckpt, self.model, self.optimizer)
             self.version = ckpt.version
             self.last_metrics = checkpointed_metrics(ckpt)
         return ckpt

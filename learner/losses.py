@@ -21,6 +21,13 @@ dL/ds_i = ℓ_i (σ(s_i) − q_i) / Z, so ∇L = (1/Z) Σ_i (σ(s_i) − q_i) Σ
 −(1/Z) Σ_i (V_i/τ) ∇log π_θ(turn i), the tree policy gradient (§6b). ``treeopsd_advantages`` with
 ``pg_surrogate_loss`` gives the same gradient at every θ in policy-gradient form.
 
+With the rollout correction's weights c_t (§11.1) the mean and the turn's weight become weighted:
+
+    m_i = Σ_t c_t,   s_i = Σ_t c_t (logp_t − ref_t) / m_i,   L = Σ_{i: m_i>0} m_i KL_i / Z    (Z unchanged)
+
+so dL/dlogp_t = c_t (σ(s_i) − q_i) / Z (each token's term importance-weighted) while the minimum stays at
+s_i = log r*_i: a weighted mean of log-ratios, not a weighted sum that would stop at log r*_i / c̄_i.
+
 The PPO-style baselines (GRPO, GSPO, TreePO) live in ``learner.baselines`` and are re-exported here.
 """
 
@@ -61,9 +68,10 @@ __all__ = [
 class _Turns:
     """Segment reduction of a token stream into turns. All tensors are [n] unless noted."""
 
-    s: torch.Tensor  # token-mean log-ratio s_i (0 where ℓ_i = 0); carries the graph of logp
-    ell: torch.Tensor  # ℓ_i: finite loss tokens per turn (compute dtype)
-    active: torch.Tensor  # bool, ℓ_i > 0
+    s: torch.Tensor  # c-weighted mean log-ratio s_i (0 where m_i = 0); carries the graph of logp
+    ell: torch.Tensor  # ℓ_i: finite loss tokens per turn (compute dtype); what Z counts
+    mass: torch.Tensor  # m_i = Σ_t c_t over them: the turn's weight in the loss (= ℓ_i without weights)
+    active: torch.Tensor  # bool, m_i > 0
     token_turn: torch.Tensor  # [T] long, turn of each token clamped to >= 0 (use with token_ok)
     token_ok: torch.Tensor  # [T] bool, token is in the loss and finite
     nonfinite_tokens: int  # loss tokens (turn_id >= 0) dropped because logp or behavior_logp is not finite
@@ -94,24 +102,29 @@ def _segment_turns(
     ok = in_loss & finite
     # torch.where (not multiplication) so that a NaN/inf token contributes neither value nor gradient.
     diff = torch.where(ok, lp, 0.0) - torch.where(ok, blp, 0.0)
-    if token_w is not None:  # rollout correction (learner/rollout_correction.py): w = 0 leaves ℓ_i too
-        w = token_w.detach().to(dtype=dtype, device=lp.device)
-        ok = ok & (w > 0)
-        diff = torch.where(ok, w * diff, 0.0)
+    # rollout correction (learner/rollout_correction.py): weights normalised within the turn, so that s_i is
+    # a weighted *mean* log-ratio and the loss's minimum stays at s_i = log r*_i (§11.1)
+    c = (
+        ok.to(dtype)
+        if token_w is None
+        else torch.where(ok, token_w.detach().to(device=lp.device, dtype=dtype), 0.0)
+    )
     # Tokens outside the loss go to a spare slot n_turns, dropped after the segment sums.
     slot = torch.where(in_loss, turn_ids, n_turns).long()
     zeros = torch.zeros(n_turns + 1, dtype=dtype, device=logp.device)
     ell = zeros.index_add(0, slot, ok.to(dtype))[:n_turns]
-    s = zeros.index_add(0, slot, diff)[:n_turns] / ell.clamp(min=1.0)
+    mass = zeros.index_add(0, slot, c)[:n_turns]
+    s = zeros.index_add(0, slot, c * diff)[:n_turns] / torch.where(mass > 0, mass, 1.0)
     bad = in_loss & ~finite
     bad_per_turn = zeros.index_add(0, slot, bad.to(dtype))[:n_turns]
     idx = turn_ids.clamp(min=0).long()
     return _Turns(
         s=s,
         ell=ell,
-        active=ell > 0,
+        mass=mass,
+        active=mass > 0,
         token_turn=idx,
-        token_ok=ok,
+        token_ok=ok & (c > 0),
         nonfinite_tokens=int(bad.sum()),
         nonfinite_turns=int((bad_per_turn > 0).sum()),
     )
@@ -158,12 +171,12 @@ def treeopsd_loss(
         q: [n] teacher probabilities q_i ∈ [0, 1]; detached. With ``teacher_logits=True``, ``q`` holds
             logit(q_i) = log r*_i instead (any real), and KL is evaluated from logsigmoid of it.
         z_total: normalizer override Z (e.g. the global loss-token count over micro-batches and DP ranks);
-            default Σ ℓ_i of this call (Σ w_i ℓ_i with weights). Must be > 0 when this call has loss tokens.
-        turn_weights: [n] w_i ≥ 0 multiplying each turn's ℓ_i in the sum and in Z (the depth correction,
-            docs/algorithm.md §5.3); None: w ≡ 1.
-        token_weights: [T] importance weights c_t ≥ 0 of the rollout correction (§11.1); s_i becomes
-            (1/ℓ_i) Σ_t c_t (logp_t − behavior_logp_t) over the tokens with c_t > 0 (ℓ_i counts those), so
-            dL/dlogp_t = c_t (σ(s_i) − q_i) / Z. None: c ≡ 1 (the formulas above).
+            default Σ ℓ_i of this call (Σ w_i ℓ_i with turn weights; token weights do not enter Z, so a
+            masked token shrinks the step). Must be > 0 when this call has loss tokens.
+        turn_weights: [n] w_i ≥ 0 multiplying each turn's weight in the sum and its ℓ_i in Z (the depth
+            correction, docs/algorithm.md §5.3); None: w ≡ 1.
+        token_weights: [T] importance weights c_t ≥ 0 of the rollout correction (§11.1): s_i a c-weighted
+            mean, the turn weighing m_i = Σ_t c_t (module docstring; m_i = 0 leaves the sum, not Z).
 
     Computed in float32, or float64 if any input is float64. Behavior (§10):
       * loss tokens whose logp or behavior_logp is NaN/±inf are dropped from s_i and ℓ_i and counted;
@@ -175,12 +188,13 @@ def treeopsd_loss(
 
     Returns ``(loss, stats)``; stats (python floats, over turns with ℓ_i > 0 of this call):
         mean_abs_s, max_abs_s: turn-mean and max of |s_i|;
-        kl_to_target: token-weighted mean KL, Σ w_i ℓ_i KL_i / Σ w_i ℓ_i (ignores ``z_total``);
+        kl_to_target: weighted mean KL, Σ w_i m_i KL_i / Σ w_i m_i (ignores ``z_total``);
         overshoot_frac: fraction of turns that passed their target. The residual σ(s)−q has at the behavior
             policy (s = 0) the value 1/2 − q; a turn is overshot iff its current residual has the strictly
             opposite sign, i.e. s* = logit(q) lies strictly between 0 and s. A turn with q = 1/2 exactly
             (s* = 0) counts as overshot iff s ≠ 0; a turn exactly at its target is not overshot;
-        num_turns, num_tokens (Σ ℓ_i), nonfinite_tokens, nonfinite_turns (turns with a dropped token).
+        num_turns, num_tokens (Σ ℓ_i), weight_mass (Σ m_i: the tokens' total correction weight),
+        nonfinite_tokens, nonfinite_turns (turns with a dropped token).
     """
     dtype = compute_dtype(logp, behavior_logp, q)
     if q.dim() != 1:
@@ -190,11 +204,13 @@ def treeopsd_loss(
     q_p, s_star = _active_teacher(q, act, dtype, teacher_logits)
     kl = _kl(q_p, turns.s, s_star if teacher_logits else None)
     kl = kl + (kl.clamp(min=0.0) - kl).detach()
-    ell = turns.ell if turn_weights is None else turns.ell * turn_weights.to(dtype=dtype, device=logp.device)
-    weighted = torch.where(act, ell * kl, 0.0).sum()
-    z = _normalizer(ell, z_total, dtype, logp.device)
+    w = None if turn_weights is None else turn_weights.to(dtype=dtype, device=logp.device)
+    mass = turns.mass if w is None else turns.mass * w
+    weighted = torch.where(act, mass * kl, 0.0).sum()
+    z = _normalizer(turns.ell if w is None else turns.ell * w, z_total, dtype, logp.device)
     loss = weighted / torch.where(z > 0, z, torch.ones_like(z))
-    return loss, _turn_stats(turns, s_star, float(weighted.detach()) / max(float(ell.sum()), 1e-300), dtype)
+    kl_mean = float(weighted.detach()) / max(float(mass.sum()), 1e-300)
+    return loss, _turn_stats(turns, s_star, kl_mean, dtype)
 
 
 def _active_teacher(
@@ -227,7 +243,7 @@ def _normalizer(
 @torch.no_grad()
 def _turn_stats(turns: _Turns, s_star: torch.Tensor, kl_mean: float, dtype: torch.dtype) -> dict[str, float]:
     act = turns.active
-    n_act, num_tokens = int(act.sum()), float(turns.ell.sum())
+    n_act, num_tokens = int(act.sum()), float(turns.ell[act].sum())
     s_a, s_star_a = turns.s[act], s_star[act]
     abs_s = s_a.abs()
     away = (s_a - s_star_a) * (0.0 - s_star_a) < 0
@@ -239,6 +255,7 @@ def _turn_stats(turns: _Turns, s_star: torch.Tensor, kl_mean: float, dtype: torc
         "overshoot_frac": float(overshot.to(dtype).mean()) if n_act else 0.0,
         "num_turns": float(n_act),
         "num_tokens": num_tokens,
+        "weight_mass": float(turns.mass.sum()),
         "nonfinite_tokens": float(turns.nonfinite_tokens),
         "nonfinite_turns": float(turns.nonfinite_turns),
     }
@@ -252,7 +269,8 @@ def treeopsd_advantages(
     *,
     teacher_logits: bool = False,
 ) -> torch.Tensor:
-    """Per-token advantage Â_t = q_i − σ(s_i) for token t of turn i (§5 "equivalent form"), detached.
+    """Per-token advantage Â_t = q_i − σ(s_i) for token t of turn i (§5 "equivalent form"), detached; without
+    the rollout correction (the weighted form is Â_t = c_t (q_i − σ(s_i)) with the weighted s_i).
 
     Shapes as ``treeopsd_loss``; returns [T] in the compute dtype. Tokens outside the loss (turn_id −1) and
     dropped non-finite tokens get 0. With ``pg_surrogate_loss`` and the same Z the gradient equals

@@ -129,12 +129,26 @@ def correction(algo: AlgoConfig, packed: PackedBatch) -> tuple[torch.Tensor | No
     prox, behavior = packed.proximal_logp.flatten(), packed.behavior_logp.flatten()
     if index is not None:
         prox, behavior = prox[index], behavior[index]
-    mode, band = algo.rollout_correction, algo.mask_band
-    return correction_weights(mode, prox, behavior, on, unit, algo.is_threshold, band)
+    mode = algo.rollout_correction
+    band = algo.geo_band if mode == "geo_mask" else algo.mask_band
+    return correction_weights(mode, prox, behavior, on, unit, algo.is_threshold, band)  # type: ignore[arg-type]
+
+
+def weighted_tokens(packed: PackedBatch, weights: torch.Tensor | None) -> dict[str, float]:
+    """A micro-batch's token counts for the learner's stats: `tokens` forwarded, and `weighted_tokens`, the
+    loss tokens the correction left a weight (all forwarded tokens without one). A mini-batch whose every
+    micro-batch has none takes no optimizer step."""
+    kept = float(packed.num_tokens) if weights is None else float((weights > 0).sum())
+    return {"tokens": float(packed.num_tokens), "weighted_tokens": kept}
 
 
 def loss_reference(algo: AlgoConfig, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What a micro-batch's loss is taken against: the reference log-probs (π_prox when the step scored one,
-    algo.proximal=step_start, else the stored μ) and the rollout correction's weights (None: off)."""
-    ref = packed.behavior_logp if packed.proximal_logp is None else packed.proximal_logp
+    algo.proximal=step_start, else the stored μ) and the rollout correction's weights (None: off).
+
+    A token whose stored μ is not finite is not in Z (system/microbatch.py `loss_token_counts`), so it leaves
+    the numerator too: its π_prox reads NaN, which every loss drops (and counts as a non-finite token)."""
+    if packed.proximal_logp is None:
+        return packed.behavior_logp, correction(algo, packed)[0]
+    ref = torch.where(torch.isfinite(packed.behavior_logp), packed.proximal_logp, float("nan"))
     return ref, correction(algo, packed)[0]

@@ -11,7 +11,7 @@ the weights the step starts with), and what it logs, summed over micro-batches a
     mismatch/tokens_lag{ℓ}                at ℓ = 0 this is the numerical sampler/learner gap, above it the
                                           policy's own change since the turn was sampled plus that gap
     correction/weight_mean, weight_max    the rollout correction's IS weight over those tokens
-    correction/clipped_token_frac         tokens whose weight the threshold C cut (token_tis, seq_is)
+    correction/clipped_token_frac         tokens whose weight the threshold C cut (the *_tis modes)
     correction/masked_token_frac          tokens a mask dropped (weight 0)
     correction/masked_seq_frac            sequences (turns or paths) left with no weight
 

@@ -3,14 +3,20 @@
 step starts, `algo.proximal=step_start`), docs/algorithm.md §11.1. Pure torch.
 
 Per loss token t (T tokens; `unit` says which sequence each belongs to: a turn for TreeOPSD, a root-to-leaf
-path for GRPO/GSPO/TreePO):
+path for GRPO/GSPO/TreePO), r_t = π_prox(y_t)/μ(y_t) (log r_t clamped to ±20 before exp, as the losses do):
 
-    log r_t  = log π_prox(y_t) − log μ(y_t)              (clamped to ±20 before exp, as the losses do)
-    none       w_t = 1
-    token_tis  w_t = min(r_t, C)                           truncated IS (C = algo.is_threshold)
-    seq_is     w_t = min(exp(mean_{t' ∈ u} log r_t'), C)   the unit's geometric-mean ratio, truncated
-    token_mask w_t = 1 if lo ≤ r_t ≤ hi else 0             (icepop; [lo, hi] = algo.mask_band)
-    seq_mask   w_t = 1 if lo ≤ exp(mean_u log r) ≤ hi else 0   a whole unit kept or dropped
+    none        w_t = 1
+    token_tis   w_t = min(r_t, C)                               per-token truncated IS (C = algo.is_threshold)
+    token_mask  w_t = 1 if lo ≤ r_t ≤ hi else 0                  per-token mask (icepop; algo.mask_band)
+    geo_tis     w_t = min(exp(mean_{t'∈u} log r_t'), C)          the unit's geometric-mean ratio, truncated
+    geo_mask    w_t = 1 if lo ≤ exp(mean_u log r) ≤ hi else 0    a whole unit kept or dropped (algo.geo_band)
+    prod_tis    w_t = min(Π_{t'∈u} r_t', C)                      the unit's product ratio, truncated
+    prod_mis    w_t = Π_u r if Π_u r ≤ C else 0                  the product ratio, the unit dropped above C
+
+Only the product is the unit's likelihood ratio π_prox(y_u)/μ(y_u): untruncated it makes E_μ[w f(y_u)] =
+E_π_prox[f(y_u)] for any f of the whole unit (a turn's credit V_i is one), so it is the unbiased turn-level
+correction TreeOPSD needs; the token and geometric modes are unbiased only on one-token units
+(docs/algorithm.md §11.1 derives where each is biased).
 
 The weights are constants (no gradient). A token with w_t = 0 leaves the loss's numerator; the normalizer Z
 (known before any forward, learner/minibatch.py) still counts it, so a masked token shrinks the step rather
@@ -25,7 +31,9 @@ import torch
 
 from learner.baselines import LOG_RATIO_CLAMP
 
-Mode = Literal["none", "token_tis", "seq_is", "token_mask", "seq_mask"]
+Mode = Literal["none", "token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis"]
+UNIT_MODES = ("geo_tis", "geo_mask", "prod_tis", "prod_mis")  # one weight per unit
+TRUNCATED = ("token_tis", "geo_tis", "prod_tis")  # weights min(ratio, C)
 
 
 def correction_weights(
@@ -40,26 +48,20 @@ def correction_weights(
     """[T] weights (float64, 0 off `on` or where a log-prob is not finite) and their sums (`stats`).
 
     Args: proximal_logp, behavior_logp [T]; on [T] bool, loss tokens; unit [T] long, the sequence of each
-    token (any ids ≥ 0 where `on`); threshold C; band (lo, hi). Stats (sums, so that micro-batches add up):
-    `is_tokens`, `is_units`, `is_weight_sum`, `is_weight_max`, `is_clipped_tokens` (token_tis: r > C;
-    seq_is: every token of a unit with ratio > C), `is_masked_tokens`, `is_masked_units` (units with no
-    weight left: a masked unit, or for token_mask one whose every token left the band)."""
+    token (any ids ≥ 0 where `on`); threshold C; band (lo, hi) of the mask modes. Stats (sums, so that
+    micro-batches add up): `is_tokens`, `is_units`, `is_weight_sum`, `is_weight_max`, `is_clipped_tokens`
+    (a truncated mode's tokens whose ratio exceeded C), `is_masked_tokens`, `is_masked_units` (units with no
+    weight left: a masked unit, or for token_mask one whose every token left the band), `is_log_ratio_max`
+    (the largest |log ratio| the weights were taken of: the product's spread grows with the unit's length)."""
     lp, blp = proximal_logp.detach().double(), behavior_logp.detach().double()
     ok = on & torch.isfinite(lp) & torch.isfinite(blp)
     log_r = torch.where(ok, lp - blp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ids, slot = _units(unit, ok)
     n_units = int(ids.numel())
-    token_ratio = torch.exp(log_r)
-    if mode in ("seq_is", "seq_mask"):
-        zeros = torch.zeros(n_units + 1, dtype=log_r.dtype, device=log_r.device)
-        count = zeros.index_add(0, slot, ok.double())
-        unit_ratio = torch.exp(zeros.index_add(0, slot, log_r) / count.clamp(min=1.0))
-        ratio = unit_ratio[slot]
-    else:
-        ratio = token_ratio
-    weight = _weights(mode, ratio, threshold, band)
-    weight = torch.where(ok, weight, 0.0)
-    clipped = ok & (ratio > threshold) if mode in ("token_tis", "seq_is") else torch.zeros_like(ok)
+    log_ratio = _unit_log_ratio(mode, log_r, ok, slot, n_units)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = torch.where(ok, _weights(mode, ratio, threshold, band), 0.0)
+    clipped = ok & (ratio > threshold) if mode in TRUNCATED else torch.zeros_like(ok)
     masked = ok & (weight == 0)
     kept_per_unit = torch.zeros(n_units + 1, dtype=torch.float64, device=ok.device).index_add(
         0, slot, (ok & (weight > 0)).double()
@@ -72,7 +74,22 @@ def correction_weights(
         "is_clipped_tokens": float(clipped.sum()),
         "is_masked_tokens": float(masked.sum()),
         "is_masked_units": float((kept_per_unit == 0).sum()),
+        "is_log_ratio_max": float(log_ratio[ok].abs().max()) if bool(ok.any()) else 0.0,
     }
+
+
+def _unit_log_ratio(
+    mode: Mode, log_r: torch.Tensor, ok: torch.Tensor, slot: torch.Tensor, n_units: int
+) -> torch.Tensor:
+    """[T] the log ratio each token's weight is taken of: its own (token modes), or its unit's sum (the
+    product) or mean (the geometric mean) over the unit's `ok` tokens."""
+    if mode not in UNIT_MODES:
+        return log_r
+    zeros = torch.zeros(n_units + 1, dtype=log_r.dtype, device=log_r.device)
+    total = zeros.index_add(0, slot, log_r)
+    if mode in ("geo_tis", "geo_mask"):
+        total = total / zeros.index_add(0, slot, ok.double()).clamp(min=1.0)
+    return total[slot]
 
 
 def _units(unit: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +107,11 @@ def _units(unit: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def _weights(mode: Mode, ratio: torch.Tensor, threshold: float, band: tuple[float, float]) -> torch.Tensor:
     if mode == "none":
         return torch.ones_like(ratio)
-    if mode in ("token_tis", "seq_is"):
+    if mode in TRUNCATED:
         return ratio.clamp(max=threshold)
-    if mode in ("token_mask", "seq_mask"):
+    if mode == "prod_mis":
+        return torch.where(ratio <= threshold, ratio, 0.0)
+    if mode in ("token_mask", "geo_mask"):
         return ((ratio >= band[0]) & (ratio <= band[1])).double()
     raise ValueError(f"unknown rollout correction {mode!r}")
 

@@ -166,10 +166,12 @@ class ShardedLearner(Learner):
     def _optimizer_step(self, parts: list[dict[str, Any]]) -> dict[str, float]:
         """This rank's share of the gradient is in (summed over ranks by FSDP2): one clipped AdamW step on
         every rank's shards; the stats of every rank's micro-batches combined."""
-        everyone = [p for rank_parts in gather_json(parts) for p in rank_parts]
+        everyone = combine_microbatches([p for rank_parts in gather_json(parts) for p in rank_parts])
+        if not everyone.get("weighted_tokens", 1.0):  # every rank's tokens masked: every rank skips alike
+            return {**everyone, "grad_norm": 0.0, "skipped": 1.0}
         norm = clip_global_norm(self.model.parameters(), self.cfg.learner.grad_clip)
         self.optimizer.step()
-        return {**combine_microbatches(everyone), "grad_norm": norm}
+        return {**everyone, "grad_norm": norm}
 
     def _join(self, packed: PackedBatch) -> None:
         """A padding pass: the forward's all-gathers and the backward's reduce-scatters, zero gradient."""

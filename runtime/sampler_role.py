@@ -13,6 +13,7 @@ from typing import Any
 import ray
 from ray.rllib.utils.actor_manager import FaultAwareApply
 
+from actors.failures import SamplerConfigFailure
 from actors.sampler_setup import sampler_parts
 from actors.tree_sampler import TreeSampler
 from actors.weight_subscriber import WeightSubscriber
@@ -60,6 +61,24 @@ class SamplerHealth(FaultAwareApply):
 
     # FaultAwareApply.apply() reads these when an applied call raises
     config = SimpleNamespace(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=0)
+
+    def apply(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """RLlib's, except that a failure the configuration causes (a SamplerConfigFailure, e.g. a harness
+        failing every episode) is raised to the driver, which stops the run on it, instead of exiting the
+        actor into restarts that would fail the same way."""
+        config_failure: list[SamplerConfigFailure] = []
+
+        def guarded(actor: Any, *a: Any, **k: Any) -> Any:
+            try:
+                return func(actor, *a, **k)
+            except SamplerConfigFailure as e:
+                config_failure.append(e)
+                return None
+
+        out = super().apply(guarded, *args, **kwargs)
+        if config_failure:
+            raise config_failure[0]
+        return out
 
 
 SamplerActor = host_class("SamplerActor", TreeSampler, build_sampler, SamplerHealth)

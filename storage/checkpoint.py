@@ -9,6 +9,8 @@ Layout::
             tokenizer files                       when a tokenizer is given
             optimizer.safetensors                 every tensor of optimizer.state_dict()["state"]
             optimizer.json                        param_groups and the non-tensor per-parameter state
+            lora.safetensors                      a LoRA run's adapter (model.safetensors then holds the
+                                                  merged weights: base + B·A under the base's names)
             rng.safetensors                       torch CPU (and CUDA) generator states (uint8 tensors)
             meta.json                             step, version, extra, python/numpy RNG states, and the
                                                   size + sha256 of every other file (written last)
@@ -48,10 +50,22 @@ from storage.durable import publish_directory, write_atomic
 FORMAT = 1
 DCP_FORMAT = 2  # sharded learner: torch DCP shards in safetensors (storage/dcp_checkpoint.py)
 STEP_RE = re.compile(r"^step_(\d{6,})$")
+LORA = "lora.safetensors"  # not peft's adapter_model.safetensors: these names are the model's own
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is incomplete or corrupted."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA run's part of a checkpoint (learner/lora.py builds it). The merged weights go where a full
+    run's weights go, so `from_pretrained`, `treeopsd export` and evaluation read a LoRA checkpoint as they
+    read any other; a resume loads the adapter alone, exactly, into the frozen base it was trained on."""
+
+    tensors: dict[str, torch.Tensor]  # the trainable tensors (lora.safetensors), by their module names
+    merged: dict[str, torch.Tensor]  # base + adapter in the base model's names (model.safetensors)
+    meta: dict  # what a resume checks first: the base's fingerprint, rank, alpha (meta.json "lora")
 
 
 # ---- JSON for optimizer/RNG state (tuples survive the round trip) -----------------------------------------
@@ -157,6 +171,7 @@ def save_checkpoint(
     extra: dict | None = None,
     tokenizer: Any = None,
     keep: int = 3,
+    adapter: Adapter | None = None,
 ) -> Path:
     """Writes `run_dir/checkpoints/step_{step:06d}` atomically, points `latest` at it, prunes old ones."""
     root = checkpoint_root(run_dir)
@@ -164,7 +179,9 @@ def save_checkpoint(
     tmp = root / f".tmp-step_{step:06d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=adapter.merged if adapter else None)
+        if adapter is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in adapter.tensors.items()}, str(tmp / LORA))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if optimizer is not None:
@@ -180,6 +197,8 @@ def save_checkpoint(
         }
         meta = {"format": FORMAT, "step": int(step), "version": int(version), "extra": extra or {}}
         meta.update(rng=rng_rest, files=files, optimizer=optimizer is not None)
+        if adapter is not None:
+            meta["lora"] = adapter.meta
         _write_json(tmp / "meta.json", meta)
         final = root / f"step_{step:06d}"
         old = None
@@ -243,7 +262,10 @@ class Checkpoint:
         """Loads weights into `model` (in place), the optimizer state, and (rng=True) the global RNGs."""
         if self.meta.get("format") == DCP_FORMAT:  # sharded (torch DCP) checkpoint of learner.ranks > 1
             raise CheckpointError(f"{self.path} is sharded (DCP): storage/dcp_checkpoint.py restores it")
-        load_model_weights(model, self.path)
+        if self.meta.get("lora") is not None:  # the adapter: model.safetensors holds the merged weights
+            self._load_adapter(model)
+        else:
+            load_model_weights(model, self.path)
         if optimizer is not None:
             state = self.optimizer_state()
             if state is None:
@@ -251,6 +273,13 @@ class Checkpoint:
             optimizer.load_state_dict(state)
         if rng:
             _set_rng_state(load_file(str(self.path / "rng.safetensors")), _from_json(self.meta["rng"]))
+
+    def _load_adapter(self, model: torch.nn.Module) -> None:
+        """The adapter tensors into the model's own (learner/lora.py checks the base and the shapes first)."""
+        tensors = load_file(str(self.path / LORA))
+        if unknown := sorted(set(tensors) - set(model.state_dict())):
+            raise CheckpointError(f"{self.path}: the model has no LoRA tensor {unknown[0]} (learner.lora)")
+        model.load_state_dict(tensors, strict=False)
 
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:

@@ -5,14 +5,14 @@ layout (header prefix, header JSON format 2, payload, chunks) is tabled in syste
 
 Checksums: one zlib.crc32 per chunk, and nothing else: the chunks cover every byte of the payload, so a
 message whose chunks all match is the one that was written. Chunks are hashed independently, over a thread
-pool's `map` when one is given (zlib releases the GIL), either while the payload is copied
-(`encode_weights`: each chunk hashed right after it is copied, cache-hot) or later over the copy
-(`encode_weights(checksums=False)`, then `add_checksums`).
+pool's `map` when one is given (zlib releases the GIL), either while the payload is copied (`encode_weights`:
+each chunk hashed right after it is copied, cache-hot) or later (`encode_weights(checksums=False)`, then
+`add_checksums`).
 
 A header may carry the layout alone (``"checksum": "none"``, ``"chunk_crc32": []``). It proves nothing
 about the bytes, so it is only good for a payload that cannot differ from what the publisher wrote (a memfd
-sealed against writes after the copy): WeightAssembler refuses to verify chunks or a buffer against it
-unless told the buffer is trusted.
+sealed against writes after the copy): WeightAssembler refuses to verify chunks or a buffer against it unless
+told the buffer is trusted.
 
 Usage::
 
@@ -31,15 +31,15 @@ import math
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from system.weight_wire import ALIGN, FORMAT, HEADER_PREFIX, MAGIC, MAGIC_JSON
+from system.weight_wire import ALIGN, FORMAT, HEADER_PREFIX, MAGIC, MAGIC_JSON, NamedWeights
 
-__all__ = ["DTYPES", "MAGIC", "TensorSpec", "WeightAssembler", "WeightHeader", "WeightMessageError"]
-__all__ += ["add_checksums", "encode_weights"]
+__all__ = ["DTYPES", "MAGIC", "NamedWeights", "TensorSpec", "WeightAssembler", "WeightHeader"]
+__all__ += ["WeightMessageError", "add_checksums", "encode_weights"]
 
 # dtype name -> the numpy dtype its bytes decode to (numpy has no bfloat16: its raw bits come back as uint16)
 _NUMPY_NAMES = "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64"
@@ -74,6 +74,7 @@ class WeightHeader:
     chunk_size: int
     chunk_crc32: tuple[int, ...]
     checksum: str = "crc32"  # or "none": the layout alone (no chunk checksums)
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)  # what the tensors are ({}: full weights)
 
     @property
     def has_checksums(self) -> bool:
@@ -99,6 +100,7 @@ class WeightHeader:
             "num_chunks": self.num_chunks,
             "chunk_crc32": list(self.chunk_crc32),
             "tensors": [asdict(t) for t in self.tensors],  # name, dtype, shape, offset, nbytes
+            **({"meta": self.meta} if self.meta else {}),
         }
         body = json.dumps(doc, separators=(",", ":")).encode()
         return HEADER_PREFIX.pack(MAGIC, len(body), zlib.crc32(body)) + body
@@ -151,7 +153,8 @@ def _header_from_doc(doc: Any) -> WeightHeader:
         raise WeightMessageError("header: chunk_crc32 holds a value that is not a u32")
     specs = tuple(_spec_from_doc(t, i) for i, t in enumerate(_field(doc, "tensors", list)))
     _check_layout(specs, total)
-    return WeightHeader(version, specs, total, chunk, tuple(crcs), checksum)
+    meta = _field(doc, "meta", dict) if "meta" in doc else {}
+    return WeightHeader(version, specs, total, chunk, tuple(crcs), checksum, meta)
 
 
 def _spec_from_doc(t: Any, i: int) -> TensorSpec:
@@ -254,14 +257,14 @@ def encode_weights(
     one that straddles tensors is a small copy. `sink(total_bytes)` may return a writable buffer: the payload
     is copied into it, each chunk hashed right after its copy (cache-hot), and the chunks view it. `map_fn` (a
     thread pool's map) spreads the chunks over threads; zlib and numpy copies release the GIL.
-    `checksums=False` only lays out (and copies): the header has checksum "none" (see `add_checksums`).
-    """
+    `checksums=False` only lays out (and copies): the header has checksum "none" (see `add_checksums`). A
+    NamedWeights' `meta` goes into the header."""
     if not named:
         raise ValueError("encode_weights: no tensors")
     if chunk_bytes <= 0 or not isinstance(version, int) or version < 0:
         raise ValueError(f"encode_weights: bad chunk_bytes {chunk_bytes} or version {version!r}")
     src = _Source(named)
-    header = WeightHeader(version, src.specs, src.total, chunk_bytes, (), "none")
+    header = WeightHeader(version, src.specs, src.total, chunk_bytes, (), "none", getattr(named, "meta", {}))
     out = None if sink is None else np.frombuffer(sink(src.total), np.uint8, count=src.total)
 
     def one(k: int) -> tuple[np.ndarray, int]:
@@ -380,14 +383,13 @@ class WeightAssembler:
             )
 
     def finish(self, bfloat16: str = "uint16") -> dict[str, Any]:
-        """name -> array (views of the payload) once every chunk is in and verified (the chunks cover every
-        byte). bfloat16 comes back as raw bits (uint16), or as torch.bfloat16 tensors with
-        `bfloat16="torch"` (zero-copy)."""
+        """NamedWeights (header's meta), name -> array (payload views), once every chunk is in and verified.
+        bfloat16 comes back as raw bits (uint16), or as torch.bfloat16 tensors with `bfloat16="torch"`."""
         h = self.header
         if not self.complete:
             miss = self.missing
             raise WeightMessageError(f"v{h.version}: incomplete, missing chunks {miss[:8]} of {h.num_chunks}")
-        out: dict[str, Any] = {}
+        out = NamedWeights(meta=h.meta)
         for t in h.tensors:
             arr = self._buf[t.offset : t.end].view(DTYPES[t.dtype]).reshape(t.shape)
             if t.dtype == "bfloat16" and bfloat16 == "torch":

@@ -13,8 +13,9 @@ carries them in ZeroMQ frames between one ROUTER (learner/weight_publisher.py) a
                   "crc32" | "none", "align": 64,                  "none": the layout alone, chunk_crc32
                   "total_bytes": T, "chunk_size": C,              empty; only for a payload in a sealed
                   "num_chunks": ceil(T / C), "chunk_crc32":       memfd on the same host
-                  [one u32 per chunk], "tensors": [{"name",
-                  "dtype", "shape", "offset", "nbytes"}, ...]}
+                  [one u32 per chunk], "tensors": [{"name",       "meta" (optional, a JSON object): what
+                  "dtype", "shape", "offset", "nbytes"}, ...],    the tensors are; absent for full weights,
+                  "meta": {...}}                                  a LoRA adapter's: system/lora_sync.py
     payload       T raw bytes: tensor i at [offset, offset +      dtype: a numpy name or "bfloat16" (raw
                   nbytes), offsets ascending and ALIGN-aligned    2-byte bits). Chunk k is payload[k*C :
                   (64), zero bytes between                        (k+1)*C], the last maybe shorter
@@ -39,6 +40,8 @@ carries them in ZeroMQ frames between one ROUTER (learner/weight_publisher.py) a
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 MAGIC = b"TOPSDW1\0"
 MAGIC_JSON = "TOPSDW1"  # the header JSON's "magic"
@@ -51,3 +54,16 @@ CHUNK, GONE, NEED, BYE = b"CHUNK", b"GONE", b"NEED", b"BYE"
 
 META = struct.Struct(">QII")  # version, chunk index, fetch tag
 VERSION = struct.Struct(">Q")  # version
+
+
+class NamedWeights(dict[str, Any]):
+    """name -> tensor, with `meta`: the header's "meta" object (what the tensors are; {} for full weights).
+    Given to a weight source, its meta goes into the header; a weight sink returns one with the header's."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
+        meta: Mapping[str, Any] | None = None,
+    ):
+        super().__init__(tensors)
+        self.meta: dict[str, Any] = dict(meta or {})

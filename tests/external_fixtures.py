@@ -68,15 +68,22 @@ class ToolScript(TextBackend):
         return out
 
 
-def external_sampler(backend, env, protocol, harness, shape=(2, 1), token=None, **limits) -> TreeSampler:
-    """A TreeSampler whose trees come from `harness` through a fresh loopback endpoint."""
-    harness_limits = HarnessLimits(limits.pop("timeout_s", 30.0), limits.pop("reward_timeout_s", 2.0))
+def external_sampler(
+    backend, env, protocol, harness, shape=(2, 1), token=None, store=None, tasks=(), **limits
+) -> TreeSampler:
+    """A TreeSampler whose trees come from `harness` through a fresh loopback endpoint (`store` and `tasks`
+    for `sample_and_commit`; `timeout_s`, `reward_timeout_s`, `max_failures`: the harness's limits)."""
+    harness_limits = HarnessLimits(
+        limits.pop("timeout_s", 30.0), limits.pop("reward_timeout_s", 2.0), limits.pop("max_failures", 32)
+    )
     loop_limits = LoopLimits(**{"max_turns": 4, "max_turn_tokens": 64, "token_budget": 1200, **limits})
     ext = ExternalTrees(
         harness, AgentEndpoint(token=token), Templates(protocol), SamplingBounds(1.0, 1.0), harness_limits
     )
     M, N = shape
-    return TreeSampler(backend, env, protocol, TreeShape(M=M, N=N), loop_limits, external=ext)
+    return TreeSampler(
+        backend, env, protocol, TreeShape(M=M, N=N), loop_limits, external=ext, store=store, tasks=tasks
+    )
 
 
 def worst_rescore_gap(trees, score) -> float:
@@ -92,3 +99,8 @@ def worst_rescore_gap(trees, score) -> float:
                 worst = max(worst, float(np.abs(np.array(score(ids, start)) - n.behavior_logprobs).max()))
                 ids += n.obs_tokens.tolist()
     return worst
+
+
+def broken_harness(task, base_url, session):
+    """A harness that fails every episode (before any request): `treeopsd train` must stop on it."""
+    raise RuntimeError("the harness broke")

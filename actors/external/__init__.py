@@ -6,4 +6,5 @@ grows rollout trees from it (docs/external-agents.md).
 - `session.py`: one harness run's requests → turns; the replay and mismatch rules
 - `endpoint.py`: the HTTP server (FastAPI/uvicorn in its own thread), auth
 - `trees.py`: initialize–expand over the harness (`ExternalTrees`, the tree source of a TreeSampler)
+- `health.py`: the harness's failures in a row (a bound stops the run) and its drop warnings, rate-limited
 """

@@ -24,6 +24,7 @@ ROLES = ("system", "user", "assistant", "tool")
 FIELDS = {
     "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "stream",
     "n", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "user", "metadata", "store",
+    "stream_options",
 }  # fmt: skip
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
@@ -60,6 +61,7 @@ class ChatRequest:
     logprobs: bool
     model: str
     user: str | None
+    parallel_tool_calls: bool = True  # false: at most one tool call per assistant turn
 
 
 def bad(field: str, why: str) -> ApiError:
@@ -80,6 +82,7 @@ def parse_chat_request(body: Any, bounds: SamplingBounds) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "a non-empty list of messages is required")
     msgs = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    check_tool_answers(msgs)
     _check_sampling(body, bounds)
     return ChatRequest(
         messages=msgs,
@@ -88,6 +91,7 @@ def parse_chat_request(body: Any, bounds: SamplingBounds) -> ChatRequest:
         logprobs=_flag(body, "logprobs"),
         model=str(body.get("model") or ""),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
     )
 
 
@@ -105,8 +109,12 @@ def _check_sampling(body: dict[str, Any], bounds: SamplingBounds) -> None:
             or not math.isclose(value, run_value)
         ):
             raise bad(name, f"{value!r} is not allowed: this run samples at {name} {run_value} ({key})")
-    if body.get("stream") not in (None, False):
-        raise bad("stream", "only stream=false is served")
+    _flag(body, "stream")  # true: the same turn, sent as server-sent events (streaming.py)
+    options = body.get("stream_options", {})
+    if not isinstance(options, dict) or any(
+        k != "include_usage" or type(v) is not bool for k, v in options.items()
+    ):
+        raise bad("stream_options", f'expected {{"include_usage": true or false}}, got {options!r}')
     if body.get("n") not in (None, 1):
         raise bad("n", "only n=1 is served (a tree's branches come from separate sessions)")
     if body.get("top_logprobs") not in (None, 0):
@@ -114,6 +122,23 @@ def _check_sampling(body: dict[str, Any], bounds: SamplingBounds) -> None:
     if body.get("tool_choice") not in (None, "auto"):
         raise bad("tool_choice", "only 'auto' (the model decides) can be honoured by sampling")
     _flag(body, "parallel_tool_calls")
+
+
+def check_tool_answers(msgs: list[dict[str, Any]]) -> None:
+    """Every tool message answers a call of the last assistant message before it, by `tool_call_id`, and
+    each call is answered once: else a 400 naming the message's `tool_call_id`."""
+    open_calls: set[str] = set()
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            open_calls = {c["id"] for c in m.get("tool_calls", []) if isinstance(c["id"], str)}
+        elif m["role"] == "tool":
+            cid = m.get("tool_call_id")
+            if cid not in open_calls:
+                calls = ", ".join(sorted(open_calls)) or "none left unanswered"
+                what = f"{cid!r} answers no tool call" if cid else "missing: say which tool call this answers"
+                why = f"{what} (the calls of the assistant message before it: {calls})"
+                raise bad(f"messages[{i}].tool_call_id", why)
+            open_calls.discard(cid)
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -217,13 +242,18 @@ def reasoning_spans(text: str, starts_inside: bool) -> list[tuple[int, int]]:
     return spans
 
 
-def split_turn(text: str, starts_inside: bool = False) -> tuple[str, list[dict[str, Any]]]:
+def split_turn(
+    text: str, starts_inside: bool = False, max_calls: int | None = None
+) -> tuple[str, list[dict[str, Any]]]:
     """A sampled turn's text as OpenAI's (content, tool_calls): every `<tool_call>{"name", "arguments"}`
-    block outside the reasoning that parses becomes a call (and leaves the content); the rest, reasoning
-    included, is the content. Tool calls get fresh ids."""
+    block outside the reasoning that parses becomes a call (and leaves the content), up to `max_calls`
+    (`parallel_tool_calls=false`: 1; later blocks stay text); the rest, reasoning included, is the content.
+    Tool calls get fresh ids."""
     spans = reasoning_spans(text, starts_inside)
     calls, cut = [], []
     for m in _TOOL_CALL.finditer(text):
+        if max_calls is not None and len(calls) >= max_calls:
+            break
         if any(a <= m.start() < b for a, b in spans):
             continue
         try:

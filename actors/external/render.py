@@ -10,11 +10,16 @@ ignores `tools=` gets the schemas in the system message, as the qwen3 protocol d
 text after SENTINEL minus the end-of-turn marker is the delta, with the marker in front when the sampled
 turn did not end with it (a stop at `</tool_call>`). History is never re-rendered, the sampled ids are never
 re-tokenized: a template that drops earlier `<think>` blocks cannot change what was sampled.
+
+`token_bytes` gives each sampled token's raw bytes (for the response's `logprobs`): a byte-level BPE token
+(GPT-2, Qwen) through the byte table, a sentencepiece byte token (`<0xE6>`) as its byte, an added token as
+its text; a token that splits a character keeps its bytes (`日` = e6 97 a5 over three tokens).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +28,7 @@ from actors.protocols.qwen3 import system_with_tools, template_handles_tools
 
 _SENTINEL = "<<TREEOPSD_EXTERNAL_TURN>>"
 _BASE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
 
 
 class Templates:
@@ -34,6 +40,9 @@ class Templates:
         self.stop_strings = protocol.stop_strings
         self.opens_think = protocol.rendering.opens_think
         self._tools_rendered: dict[str, bool] = {}
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        self._added = {int(i): str(t) for i, t in added.items()}
+        self._bytes = byte_decoder(self.tokenizer)
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         kwargs = dict(self.kwargs)
@@ -64,9 +73,32 @@ class Templates:
         """The sampled turn's text, without its final stop token (for parsing only, never re-encoded)."""
         return self.protocol.decode_turn(turn)
 
-    def token_strings(self, ids: Sequence[int]) -> list[str]:
-        """Each sampled token's own text (for the response's `logprobs`; never encoded again)."""
-        return [str(self.tokenizer.decode([int(i)], skip_special_tokens=False)) for i in ids]
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each sampled token's raw bytes (for the response's `logprobs`; never encoded again)."""
+        return [self._one_token_bytes(int(i)) for i in ids]
+
+    def _one_token_bytes(self, i: int) -> bytes:
+        if i in self._added:
+            return self._added[i].encode()
+        piece = str(self.tokenizer.convert_ids_to_tokens(i))
+        if self._bytes is not None and all(c in self._bytes for c in piece):
+            return bytes(self._bytes[c] for c in piece)
+        if m := _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return str(self.tokenizer.decode([i], skip_special_tokens=False)).encode()
+
+
+def byte_decoder(tokenizer: Any) -> dict[str, int] | None:
+    """GPT-2's byte table (unicode character → byte) when the tokenizer decodes byte-level, else None."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None or b"ByteLevel" not in decoder.__getstate__():
+        return None
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: b for b in shown}, 0
+    for b in range(256):
+        if b not in table:
+            table[b], extra = 256 + extra, extra + 1
+    return {chr(c): b for b, c in table.items()}
 
 
 def template_message(m: dict[str, Any]) -> dict[str, Any]:

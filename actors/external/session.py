@@ -15,8 +15,15 @@ context is checked against the anchor's, piece by piece (prompt ids, observation
 The mismatch rule: a request that does not extend the recorded conversation (a harness or template that
 dropped `<think>` from an earlier turn, an edited history, a non-deterministic tool result in a replay) is
 refused with HTTP 409 naming the first difference; the session ends there and is never stored (counted:
-`external/context_mismatch`, and `external/branches_refused` for a branch). A limit ends a session as the
-project's own loop does (reward 0): a cut turn (`truncated`), `env.max_turns`, `env.token_budget`.
+`external/context_mismatch`, and `external/branches_refused` for a branch). A side call (no assistant message
+of the record: a summariser, a judge, a sub-agent, a compaction) is no mismatch: it opens or extends a side
+segment of the session, sampled and recorded with its parent call (side.py). A limit ends a session as the
+project's own loop does (reward 0): a cut turn (`truncated`), `env.max_turns`, `env.token_budget`. A first
+prompt that leaves no room under `env.token_budget` is refused (400, `context_length_exceeded`): the episode
+ends there, never stored (`external/prompt_too_long`); the engine is never asked for a turn without room.
+
+Rewards (`POST /v1/reward`): one per session, while its episode runs; a second one gets a 409
+(`external/double_rewards`), one after the episode a 410.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from actors.external.openai_format import (
     split_turn,
 )
 from actors.external.render import Templates
+from actors.external.side import Call, Segment, extend, record_call, route
 from actors.protocols.base import ProtocolError
 from actors.weight_gate import WeightGate
 from system.policy import SampleRequest, TurnServer, mix_seed
@@ -94,6 +102,9 @@ class Session:
     rewarded: asyncio.Event = field(default_factory=asyncio.Event)
     reward: float | None = None  # the episode's, once settled
     nodes: list[int] = field(default_factory=list)  # the tree nodes of its own turns, once stored
+    sides: list[Segment] = field(default_factory=list)  # its side segments (side.py)
+    calls: list[Call] = field(default_factory=list)  # every call: its segment and its parent call
+    main_call: int | None = None  # the main conversation's last call
 
     @property
     def start(self) -> int:
@@ -136,7 +147,9 @@ class Round:
             why = f"unknown session {key!r} (a session lives while the sampler runs its episode)"
             raise ApiError(404, why, "not_found_error")
         if s.failure is not None:
-            raise ApiError(409, f"session {key!r} was refused: {s.failure}", "context_mismatch")
+            mismatch = s.failure.startswith("context mismatch")
+            status, kind = (409, "context_mismatch") if mismatch else (400, "session_ended")
+            raise ApiError(status, f"session {key!r} was refused: {s.failure}", kind)
         if s.closed:
             raise ApiError(410, f"session {key!r} is over (its episode ended or passed its deadline)", "gone")
         return s
@@ -145,9 +158,6 @@ class Round:
         count(self.stats, "external/requests")
         try:
             s = self.session(key)
-            if s.finish is not None:
-                why = f"session {key!r} ended ({s.finish}); the episode is over"
-                raise ApiError(400, why, "session_ended")
             if s.busy:
                 raise ApiError(
                     400, f"session {key!r} has a request in flight: send one at a time", "session_busy"
@@ -174,13 +184,20 @@ class Round:
 
     async def reward(self, key: str, body: Any) -> tuple[int, dict[str, Any]]:
         """POST /v1/reward: {"reward": number} for the session (the harness may also return it)."""
+        count(self.stats, "external/reward_posts")
         try:
             s = self.sessions.get(key)
             if s is None or s.failure is not None:
                 raise ApiError(404, f"unknown or refused session {key!r}", "not_found_error")
+            if s.closed:
+                raise ApiError(410, f"session {key!r} is over: its reward is settled", "gone")
             value = body.get("reward") if isinstance(body, dict) else None
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ApiError(400, f"reward: expected a finite number, got {value!r}", param="reward")
+            if s.posted_reward is not None:
+                count(self.stats, "external/double_rewards")
+                why = f"session {key!r}: a reward was already posted ({s.posted_reward:g}); one per episode"
+                raise ApiError(409, why, "reward_already_posted")
             s.posted_reward = float(value)
             s.rewarded.set()
             return 200, {"session": key, "reward": s.posted_reward}
@@ -189,8 +206,13 @@ class Round:
 
 
 async def take_turn(rnd: Round, s: Session, req: ChatRequest) -> dict[str, Any]:
-    """The session's next turn for this request (see the module docstring)."""
+    """The session's next turn for this request (see the module docstring; a side call: side.py)."""
     n = len(s.turns)
+    seg = route(s, req) if n > 0 else None
+    if seg is not None:  # a side call: allowed after the main conversation ended too (a judge)
+        return await side_turn(rnd, s, seg, req)
+    if s.finish is not None:
+        raise ApiError(400, f"session {s.key!r} ended ({s.finish}); the episode is over", "session_ended")
     if n == 0:
         s.context = prompt_ids(rnd, s, req)
     elif not observe(rnd, s, req, n):
@@ -212,9 +234,30 @@ async def take_turn(rnd: Round, s: Session, req: ChatRequest) -> dict[str, Any]:
     return respond(rnd, s, turn, req, replayed=False)
 
 
+async def side_turn(rnd: Round, s: Session, seg: Segment, req: ChatRequest) -> dict[str, Any]:
+    """The next turn of a side segment (side.py): sampled from its exact context, never replayed."""
+    extend(rnd, s, seg, req)
+    seed = mix_seed(mix_seed(s.seed, -seg.index), len(seg.turns))
+    parent_key = seg.key if seg.turns else None
+    turn = await generate(rnd, seg.context, req, seg.key, parent_key, seed)
+    seg.turns.append(turn)
+    seg.context = [*seg.context, *turn.ids]
+    if turn.finish_reason != "stop":
+        seg.finish = "truncated"
+    seg.last_call = call = record_call(s, seg.index, seg.last_call)
+    extra = {"segment": seg.index, "call": call, "parent_call": s.calls[call].parent}
+    usage = (len(seg.context) - len(turn.ids), len(turn.ids))
+    return body_of(rnd, s.key, len(seg.turns) - 1, turn, req, False, usage, extra)
+
+
 def prompt_ids(rnd: Round, s: Session, req: ChatRequest) -> list[int]:
     """The tree's prompt ids: set by the first request of the tree, checked (messages and ids) after."""
     ids = rnd.templates.prompt_ids(req.messages, req.tools)
+    budget = rnd.limits.token_budget
+    if len(ids) >= budget:  # no room for one token: refused, never sent to the engine
+        s.failure = f"the prompt is {len(ids)} tokens: env.token_budget ({budget}) leaves no room for a turn"
+        count(rnd.stats, "external/prompt_too_long")
+        raise ApiError(400, f"{s.failure}; the episode is over", "context_length_exceeded", "messages")
     tree = s.tree
     if tree.prompt is None and not s.replay:
         tree.prompt = Prompt(req.messages, req.tools, ids)
@@ -276,40 +319,67 @@ def _limit_reached(s: Session) -> ApiError:
 
 
 async def sample(rnd: Round, s: Session, req: ChatRequest, n: int) -> Turn:
-    """One fresh turn from the session's exact context; weights change only between turns (the gate)."""
+    """One fresh turn from the session's exact context."""
+    turn = await generate(rnd, s.context, req, s.key, s.parent_key, mix_seed(s.seed, n))
+    s.parent_key = s.key
+    return turn
+
+
+async def generate(
+    rnd: Round, context: list[int], req: ChatRequest, key: str, parent_key: str | None, seed: int
+) -> Turn:
+    """One turn sampled after `context`; weights change only between turns (the gate)."""
     limits, t = rnd.limits, rnd.templates
-    room = limits.token_budget - len(s.context)
+    room = limits.token_budget - len(context)
     request = SampleRequest(
-        context=list(s.context),
+        context=list(context),
         max_new_tokens=min(limits.max_turn_tokens, room, req.max_tokens or room),
         stop_token_ids=t.stop_token_ids,
         stop_strings=t.stop_strings,
-        cache_key=s.key,
-        parent_key=s.parent_key,
-        seed=mix_seed(s.seed, n),
+        cache_key=key,
+        parent_key=parent_key,
+        seed=seed,
     )
     version = await rnd.gate.turn_started()
     try:
         res = await rnd.server.generate_turn(request)
     finally:
         rnd.gate.turn_ended()
-    s.parent_key = s.key
-    content, calls = split_turn(t.decode(res.token_ids), t.opens_think)
+    max_calls = None if req.parallel_tool_calls else 1
+    content, calls = split_turn(t.decode(res.token_ids), t.opens_think, max_calls)
     message = assistant_message(content, calls)
     return Turn(list(res.token_ids), list(res.logprobs), res.finish_reason, version, message)
 
 
 def respond(rnd: Round, s: Session, turn: Turn, req: ChatRequest, replayed: bool) -> dict[str, Any]:
+    """A main-conversation turn's reply; the call is recorded (its parent: the main conversation's last)."""
+    s.main_call = call = record_call(s, 0, s.main_call)
+    extra = {"segment": 0, "call": call, "parent_call": s.calls[call].parent}
+    usage = (len(s.context) - len(turn.ids), len(turn.ids))
+    return body_of(rnd, s.key, len(s.turns) - 1, turn, req, replayed, usage, extra)
+
+
+def body_of(
+    rnd: Round,
+    key: str,
+    index: int,
+    turn: Turn,
+    req: ChatRequest,
+    replayed: bool,
+    usage: tuple[int, int],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     finish = (
         "length" if turn.finish_reason != "stop" else "tool_calls" if "tool_calls" in turn.message else "stop"
     )
     lps = None
     if req.logprobs:
-        toks = rnd.templates.token_strings(turn.ids)
+        raw = rnd.templates.token_bytes(turn.ids)
+        # a token that splits a character: its bytes as they are, its text with the partial bytes as \xNN
+        text = [b.decode(errors="backslashreplace") for b in raw]
         lps = [
-            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-            for tok, lp in zip(toks, turn.logprobs, strict=True)
+            {"token": tok, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+            for tok, b, lp in zip(text, raw, turn.logprobs, strict=True)
         ]
-    extra = {"session": s.key, "turn": len(s.turns) - 1, "replayed": replayed, "token_ids": turn.ids}
-    usage = (len(s.context) - len(turn.ids), len(turn.ids))
+    extra = {"session": key, "turn": index, "replayed": replayed, "token_ids": turn.ids, **extra}
     return completion_body(turn.message, finish, usage, req.model or rnd.model, lps, extra)

@@ -13,10 +13,17 @@ fresh. A branch whose context differs (a non-deterministic harness) is refused (
 (`external/branches_refused`) and never stored.
 
 An episode's reward is what the harness returns, or (when it returns None) what it posts to `/v1/reward`
-within `env.reward_timeout_s`. A harness that raises, runs past `env.harness_timeout_s` (its thread is left
-behind: Python cannot stop it; its later requests get 410), returns no reward or a non-number costs that
-episode only: dropped, counted, logged. Only whole, rewarded episodes enter the tree (a tree whose trunks
-all fail is dropped). Each harness run is a daemon thread; everything else runs on the sampling loop.
+within `env.reward_timeout_s`; both at once is refused (`external/double_rewards`). An episode a limit
+ended is stored with reward 0 (`external/limit_ended`). A harness that raises, runs past
+`env.harness_timeout_s` (its thread is left behind: Python cannot stop it; its later requests get 410),
+returns no reward or a non-number costs that episode only: dropped, counted, logged (rate-limited:
+health.py); `env.harness_max_failures` trunks in a row dropped stop the run, naming the harness. Only
+whole, rewarded episodes enter the tree (a tree whose trunks all fail is dropped). Each harness run is a
+daemon thread; everything else runs on the sampling loop.
+
+Side calls (side.py): the side segments of a tree's stored episodes are returned as trees of their own,
+linked to it (`side.side_trees`: meta `episode_tree`, `links`), with `env.side_calls=train`; with
+`exclude` they are only counted. The tree's meta `calls` logs every call of its episodes with its parent.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import contextlib
 import functools
 import importlib
 import json
-import logging
 import math
 import os
 import sys
@@ -41,9 +47,11 @@ from actors.async_loop import EpisodeRunner, gather_or_cancel
 from actors.envs.base import Task
 from actors.envs.tool_calls import ToolCall
 from actors.external.endpoint import AgentEndpoint
+from actors.external.health import HarnessHealth
 from actors.external.openai_format import SamplingBounds
 from actors.external.render import Templates
 from actors.external.session import Round, Session, TreeState, count
+from actors.external.side import calls_meta, side_trees
 from actors.weight_gate import WeightGate
 from system.tree import RolloutTree
 from system.tree_build import TreeBuilder, plan_anchors
@@ -52,7 +60,6 @@ if TYPE_CHECKING:
     from actors.tree_sampler import TreeSampler, TreeShape
 
 Harness = Callable[[dict[str, Any], str, str], Any]
-log = logging.getLogger(__name__)
 
 
 def load_harness(spec: str) -> Harness:
@@ -77,6 +84,7 @@ def load_harness(spec: str) -> Harness:
 class HarnessLimits:
     timeout_s: float = 120.0  # env.harness_timeout_s: one run of the harness, start to return
     reward_timeout_s: float = 10.0  # env.reward_timeout_s: after a run that returned None
+    max_failures: int = 32  # env.harness_max_failures: trunks dropped in a row that stop the run
 
 
 @dataclass
@@ -89,6 +97,7 @@ class _Plan:
     builder: TreeBuilder | None = None
     finish: dict[int, str] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
+    stored: list[Session] = field(default_factory=list)  # the sessions whose episodes the tree holds
 
 
 class ExternalTrees:
@@ -101,9 +110,13 @@ class ExternalTrees:
         templates: Templates,
         bounds: SamplingBounds,
         limits: HarnessLimits = HarnessLimits(),
+        name: str | None = None,
+        side_calls: str = "train",
     ) -> None:
         self.harness, self.endpoint, self.templates = harness, endpoint, templates
-        self.bounds, self.limits = bounds, limits
+        self.bounds, self.limits, self.side_calls = bounds, limits, side_calls
+        name = name or f"{getattr(harness, '__module__', '?')}:{getattr(harness, '__qualname__', harness)}"
+        self.health = HarnessHealth(name, limits.max_failures)
 
     def grow(
         self, sampler: TreeSampler, tasks: Sequence[Task], rng: np.random.Generator, ids: Sequence[str]
@@ -129,14 +142,25 @@ class ExternalTrees:
         rnd = Round(server, gate, self.templates, sampler.limits, self.bounds, sampler.stats)
         run = getattr(sampler.backend, "run_async", None) or asyncio.run
         run(_grow_all(self, rnd, runner, plans, sampler))
-        sampler.stats["external/rejected_requests"] = float(self.endpoint.rejected)  # since the start
         trees = [_finish(p) for p in plans]
         sampler.dropped_trees += sum(t is None for t in trees)
-        return [t for t in trees if t is not None]
+        mask = sampler.limits.mask_truncated_turn
+        train = self.side_calls == "train"  # else side calls are served and counted, never stored
+        side = [t for p in plans if train for t in side_trees(p.tree_id, _meta(p), p.stored, mask)]
+        count(sampler.stats, "external/side_trees", len(side))
+        return [t for t in trees if t is not None] + side
 
-    def task_view(self, sampler: TreeSampler, task: Task) -> dict[str, Any]:
+    def metrics(self) -> dict[str, float]:
+        """What the sampler's metrics add (TreeSampler.get_metrics), whether or not a round finished."""
+        return {  # rejected: before reaching a session (auth, malformed JSON, no session id), since the start
+            "external/rejected_requests": float(self.endpoint.rejected),
+            "external/failures_in_row": float(self.health.in_row),
+        }
+
+    def task_view(self, sampler: TreeSampler, task: Task, session: str) -> dict[str, Any]:
         """What the harness gets: the question and answers, the env's system prompt and tools, a function
-        running one tool call (`call_tool(name, arguments) -> text`), the endpoint's api key."""
+        running one tool call (`call_tool(name, arguments) -> text`), the session's api key (it names the
+        session: `base_url` and it suffice), the base URL that names the session by itself (`session_url`)."""
         env = sampler.env
         return {
             "task_id": task.task_id,
@@ -147,7 +171,8 @@ class ExternalTrees:
             "system_prompt": env.system_prompt(),
             "tools": list(getattr(env, "tool_schemas", list)()),
             "call_tool": functools.partial(call_tool, env, task),
-            "api_key": self.endpoint.token or "none",
+            "api_key": self.endpoint.session_key(session),  # names the session: base_url + api_key suffice
+            "session_url": self.endpoint.session_url(session),
         }
 
     def close(self) -> None:
@@ -197,7 +222,9 @@ async def _grow(
                 _commit(p, b, anchor, rnd)
             elif b.failure.startswith("context mismatch"):
                 count(rnd.stats, "external/branches_refused")
-    await rnd.server.release(*p.keys)
+    sides = [seg.key for k in p.keys for seg in rnd.sessions[k].sides]
+    count(rnd.stats, "external/side_calls", sum(c.segment > 0 for k in p.keys for c in rnd.sessions[k].calls))
+    await rnd.server.release(*p.keys, *sides)
 
 
 def _branch(p: _Plan, trunk: Session, k: int, j: int) -> tuple[Session, int]:
@@ -213,11 +240,13 @@ async def _episode(
     ext: ExternalTrees, rnd: Round, slots: asyncio.Semaphore, p: _Plan, sampler: TreeSampler, s: Session
 ) -> None:
     async with slots:
+        if rnd.error is not None:  # the round is failing: no new harness run
+            raise rnd.error
         rnd.sessions[s.key] = s
         p.keys.append(s.key)
         count(rnd.stats, "external/episodes")
         try:
-            value, exc = await _run_harness(ext, ext.task_view(sampler, p.task), s)
+            value, exc = await _run_harness(ext, ext.task_view(sampler, p.task, s.key), s)
             if s.failure is None:
                 await _settle(ext, s, value, exc, rnd.stats)
         finally:
@@ -229,7 +258,10 @@ async def _episode(
         count(rnd.stats, "external/no_turns")
     if s.failure is not None:
         count(rnd.stats, "external/episodes_dropped")
-        log.warning("external episode %s dropped: %s", s.key, s.failure)
+    stop = ext.health.episode_done(s)  # logs the drop (rate-limited); a streak at its bound stops the run
+    if stop is not None:
+        rnd.error = rnd.error or stop
+        raise rnd.error
 
 
 async def _run_harness(
@@ -266,6 +298,7 @@ async def _settle(
     whatever the harness did after it, as in the project's own loop."""
     if s.finish is not None:
         s.reward = 0.0
+        count(stats, "external/limit_ended")
     elif isinstance(exc, TimeoutError):
         s.failure = str(exc)
         count(stats, "external/harness_timeouts")
@@ -281,6 +314,12 @@ async def _settle(
                 count(stats, "external/no_reward")
                 return
         s.reward = s.posted_reward
+    elif s.posted_reward is not None:
+        s.failure = (
+            f"the reward was given twice: returned {value!r} and posted {s.posted_reward:g} "
+            "(return None to post it)"
+        )
+        count(stats, "external/double_rewards")
     elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         s.failure = f"the harness returned {value!r}, not a finite number (the reward)"
         count(stats, "external/bad_rewards")
@@ -290,12 +329,14 @@ async def _settle(
 
 def _commit_trunks(p: _Plan, trunks: list[Session], rnd: Round) -> None:
     assert p.state.prompt is not None
-    meta = {"task_id": p.task.task_id, "dataset": p.task.dataset, "answers": json.dumps(list(p.task.answers))}
-    p.builder = TreeBuilder(
-        p.tree_id, p.state.prompt.ids, prompt_id=p.task.task_id, meta={**meta, "source": "external"}
-    )
+    p.builder = TreeBuilder(p.tree_id, p.state.prompt.ids, prompt_id=p.task.task_id, meta=_meta(p))
     for s in trunks:
         _commit(p, s, 0, rnd)
+
+
+def _meta(p: _Plan) -> dict[str, str]:
+    answers = json.dumps(list(p.task.answers))
+    return {"task_id": p.task.task_id, "dataset": p.task.dataset, "answers": answers, "source": "external"}
 
 
 def _commit(p: _Plan, s: Session, parent: int, rnd: Round) -> None:
@@ -311,6 +352,7 @@ def _commit(p: _Plan, s: Session, parent: int, rnd: Round) -> None:
         s.nodes.append(parent)
     p.builder.set_reward(parent, s.reward)
     p.finish[parent] = s.finish or "done"
+    p.stored.append(s)
     count(rnd.stats, "external/episodes_stored")
 
 
@@ -318,4 +360,5 @@ def _finish(p: _Plan) -> RolloutTree | None:
     if p.builder is None:
         return None
     p.builder.meta["finish"] = json.dumps({str(k): v for k, v in sorted(p.finish.items())})
+    p.builder.meta["calls"] = calls_meta(p.stored)  # every call of its episodes: [segment, parent call]
     return p.builder.build()

@@ -39,7 +39,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from actors.policy import hf_batch
+from actors.policy.hf_lora import AdapterMerge
 from actors.policy.tiny_model import load_model, set_threads
+from system.lora_sync import is_adapter
 from system.policy import SampleRequest, SampleResult, SamplingConfig, mix_seed
 from system.sampling import sampling_logprobs
 
@@ -89,6 +91,7 @@ class HFBackend:
         self._seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
         self._n_requests = 0
         self._caches: OrderedDict[str, _Entry] = OrderedDict()
+        self._adapters = AdapterMerge()  # a LoRA learner's versions: adapters merged over a kept base
 
     # ---- PolicyBackend -------------------------------------------------------------------------------
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
@@ -121,8 +124,14 @@ class HFBackend:
         """Copies tensors into the model in place (dtype cast; names and shapes must match) and drops caches.
 
         A subset of the parameters is allowed (the rest keep their values); an unknown name or a wrong shape
-        raises ValueError before anything is copied.
+        raises ValueError before anything is copied. A LoRA adapter (system/lora_sync.py) is merged over the
+        base instead (actors/policy/hf_lora.py; another base's is refused, the model left as it was).
         """
+        if is_adapter(named_tensors):
+            self._adapters.apply(self.model, named_tensors)
+            self._caches.clear()
+            self.version = version
+            return
         state = self.model.state_dict()  # shares storage with the parameters and buffers
         unknown = sorted(set(named_tensors) - set(state))
         if unknown:
@@ -140,6 +149,7 @@ class HFBackend:
         with torch.no_grad():
             for name, t in tensors.items():
                 state[name].copy_(t.to(dtype=state[name].dtype, device=state[name].device))
+        self._adapters.forget()  # these weights are the base of any later adapter
         self._caches.clear()  # K/V computed with the old weights are stale
         self.version = version
 

@@ -30,6 +30,37 @@ def test_train_rejects_a_bad_value_before_anything_starts(tmp_path, override, me
     assert not run_dir.exists()  # nothing was prepared, let alone started
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (  # TreeOPSD's credit is per turn: per-token weights are biased on multi-token turns
+            ["algo.rollout_correction=token_tis"],
+            "algo.rollout_correction = 'token_tis' is invalid: expected none, prod_tis or prod_mis with "
+            "algo.method = treeopsd (token and geometric-mean weights are biased on turns of more than one "
+            "token)",
+        ),
+        (  # a trust region on π_prox with μ's samples uncorrected
+            ["algo.method=grpo", "algo.proximal=step_start", "algo.rollout_correction=none"],
+            "algo.rollout_correction = 'none' is invalid: expected a correction with algo.proximal = "
+            "step_start and algo.method = grpo, or algo.proximal = behavior",
+        ),
+        (  # the old name of the geometric mean
+            ["algo.method=grpo", "algo.rollout_correction=seq_is"],
+            "algo.rollout_correction = 'seq_is' is invalid: allowed values are 'auto', 'none', 'token_tis', "
+            "'token_mask', 'geo_tis', 'geo_mask', 'prod_tis', 'prod_mis'",
+        ),
+    ],
+)
+def test_train_refuses_a_wrong_offpolicy_combination_with_one_line(tmp_path, overrides, message):
+    # Today's code accepted the first two (and named seq_is a sequence weight while it is a geometric mean).
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launch.cli", "train", "--run-dir", str(run_dir), *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"treeopsd train: {message}"
+    assert not run_dir.exists()
+
+
 def test_train_never_reaches_ray_with_a_bad_config(monkeypatch, tmp_path, capsys):
     import runtime.driver
     from launch.cli import main

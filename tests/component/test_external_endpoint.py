@@ -149,7 +149,7 @@ def test_bad_requests_get_one_clear_error_and_cost_nothing_else(kb):
         post = lambda body, **kw: httpx.post(f"{base_url}/chat/completions", timeout=30, **body, **kw)  # noqa: E731
         sid = {"X-Session-Id": session}
         got["temperature"] = post({"json": {"messages": msgs, "temperature": 0.5}, "headers": sid})
-        got["stream"] = post({"json": {"messages": msgs, "stream": True}, "headers": sid})
+        got["stream"] = post({"json": {"messages": msgs, "stream": "yes"}, "headers": sid})
         got["seed"] = post({"json": {"messages": msgs, "seed": 3}, "headers": sid})
         got["json"] = post({"content": b'{"messages": [', "headers": sid})
         got["no_session"] = post({"json": {"messages": msgs}})
@@ -183,7 +183,8 @@ def test_bad_requests_get_one_clear_error_and_cost_nothing_else(kb):
     assert tree.num_leaves == 1 and tree.nodes[1].reward == 1.0
     # refused by the session's round: temperature, stream, seed, unknown session; before any session (the
     # endpoint itself): malformed JSON, no session id
-    assert sampler.stats["external/bad_requests"] == 4 and sampler.stats["external/rejected_requests"] == 2
+    metrics = sampler.get_metrics()  # what the driver gets
+    assert metrics["external/bad_requests"] == 4 and metrics["external/rejected_requests"] == 2
 
 
 def test_a_token_is_required_off_loopback_and_checked():

@@ -39,7 +39,9 @@ def turn_s(model, tree: RolloutTree) -> tuple[np.ndarray, np.ndarray]:
 def test_step_moves_s_toward_the_target_and_lowers_the_loss(tok):
     model = build_tiny_model(tok, seed=1)
     trees = on_policy(model, make_trees(tok, n=2, seed=3))
-    learner = Learner(model, config(learner={"minibatches": 1}))
+    # s against the fixed μ across steps (proximal = behavior): with the step-start reference every step
+    # would start again from s = 0
+    learner = Learner(model, config(learner={"minibatches": 1}, algo={"proximal": "behavior"}))
     before = flat_params(model)
     kls = [learner.step(trees)["learner/mb0/kl_to_target"]]
     assert not torch.equal(before, flat_params(model)) and learner.version == 1
@@ -62,7 +64,9 @@ def test_step_moves_s_toward_the_target_and_lowers_the_loss(tok):
 def test_grad_clipping_bounds_the_update(tok, clip):
     model = build_tiny_model(tok, seed=2)
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # update = −(clipped) gradient
-    learner = Learner(model, config(learner={"minibatches": 1, "grad_clip": clip}), optimizer=sgd)
+    # random μ (not the model's): proximal = behavior, so no importance weight shrinks the gradient
+    cfg = config(learner={"minibatches": 1, "grad_clip": clip}, algo={"proximal": "behavior"})
+    learner = Learner(model, cfg, optimizer=sgd)
     before = flat_params(model)
     stats = learner.step(make_trees(tok, seed=4))
     moved = float((flat_params(model) - before).norm())

@@ -12,7 +12,9 @@ SMALL += ["env.max_turns=3", "env.max_turn_tokens=16", "learner.lr=1e-3"]
 
 
 def test_local_run_steps_and_version_flow(tmp_path, tiny_model_dir):
-    cfg = load_config(overrides=[f"run.run_dir={tmp_path}", *SMALL])
+    # proximal = behavior: the untrained model's trees carry little reward signal, and with the step-start
+    # reference a tree without one has no gradient at all (q = ½ at s = 0), so the weights might not move
+    cfg = load_config(overrides=[f"run.run_dir={tmp_path}", *SMALL, "algo.proximal=behavior"])
     run = build_local_run(cfg, tiny_model_dir)
     try:
         before = {k: v.clone() for k, v in run.learner.named_weights().items()}
@@ -40,7 +42,7 @@ def test_a_held_back_sampler_samples_every_batch_eta_versions_late(tmp_path, tin
     # run.sampler_lag = 2 in sync mode (the staleness table): batch k is sampled by version max(k − 2, 0),
     # admitted because the admission bound is the lag; the step start (π_prox) is version k.
     overrides = [f"run.run_dir={tmp_path}", *SMALL, "run.mode=sync", "run.sampler_lag=2"]
-    cfg = load_config(overrides=[*overrides, "algo.proximal=step_start", "algo.rollout_correction=token_tis"])
+    cfg = load_config(overrides=[*overrides, "algo.proximal=step_start", "algo.rollout_correction=prod_tis"])
     assert cfg.admission_eta == 2
     run = build_local_run(cfg, tiny_model_dir)
     try:

@@ -15,9 +15,11 @@ CORRECTION_TAGS += [f"correction/{k}" for k in ("masked_token_frac", "masked_seq
 STALENESS_TAGS = [*MISMATCH_TAGS, *CORRECTION_TAGS, "tree/truncated_frac", "sampler/truncated_frac"]
 
 
-def test_step_start_proximal_with_token_tis_logs_the_staleness_view(ray_cluster, tmp_path, tiny_model_dir):
-    extra = {"algo.proximal": "step_start", "algo.rollout_correction": "token_tis", "store.eta": 2}
-    cfg = small_cfg(tmp_path, **extra)
+def test_the_async_default_step_start_with_prod_tis_logs_the_staleness_view(
+    ray_cluster, tmp_path, tiny_model_dir
+):
+    cfg = small_cfg(tmp_path, **{"store.eta": 2})
+    assert (cfg.algo.proximal, cfg.algo.rollout_correction) == ("step_start", "prod_tis")  # run.mode = async
     topo = start_topology(cfg, tiny_model_dir)
     sink = TensorboardSink(tmp_path / "tb")
     try:
@@ -28,5 +30,5 @@ def test_step_start_proximal_with_token_tis_logs_the_staleness_view(ray_cluster,
     scalars = read_scalars(tmp_path / "tb")
     assert not [t for t in STALENESS_TAGS if t not in scalars], sorted(scalars)
     weights = [v for _, v in scalars["correction/weight_max"]]
-    assert all(0 < w <= 2.0 for w in weights)  # token_tis truncates at algo.is_threshold = 2
+    assert all(0 < w <= 2.0 for w in weights)  # prod_tis truncates at algo.is_threshold = 2
     assert all(v >= 0 for _, v in scalars["mismatch/k3"])  # k3 ≥ 0 by construction

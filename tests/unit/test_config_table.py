@@ -95,6 +95,7 @@ BAD = [
     ("env.train_hops=2", r"^env\.train_hops = 2 is invalid: expected a list of 2 integers"),
     ("env.name=wiki", r"^env\.name = 'wiki' is invalid: allowed values are 'synthetic_kb'"),
     ("env.protocol=hermes", r"^env\.protocol = 'hermes' is invalid: allowed values are 'plain', 'qwen3'"),
+    ("env.side_calls=drop", r"^env\.side_calls = 'drop' is invalid: allowed values are 'train', 'exclude'"),
     ("env.enable_thinking=1", r"^env\.enable_thinking = 1 is invalid: expected true or false"),
     ("env.require_search=maybe", r"^env\.require_search = 'maybe' is invalid: expected true or false"),
     # sampler
@@ -249,7 +250,9 @@ def test_direct_construction_validates_too() -> None:
     assert AlgoConfig(rho=0.25).rho == 0.25 and TinyModelConfig().hidden // TinyModelConfig().heads == 32
     with pytest.raises(ValueError, match=r"expected 'curve' when weights\.bind_host is not loopback"):
         WeightsConfig(bind_host="10.0.0.1")
-    assert Config().algo == AlgoConfig() and parse_config({}) == Config()
+    # the algo section's `auto` values are filled in for the run's mode (async: step_start, prod_tis)
+    resolved = AlgoConfig(proximal="step_start", rollout_correction="prod_tis")
+    assert Config().algo == resolved and parse_config({}) == Config()
 
 
 # ---- every field carries a check ---------------------------------------------------------------

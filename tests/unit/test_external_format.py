@@ -42,6 +42,12 @@ def test_tool_calls_outside_the_reasoning_become_openai_calls():
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "x"}]}, "tools[0]"),
+        ({"messages": [{"role": "user", "content": "q"}], "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": "q"}], "stream_options": {"chunks": 3}}, "stream_options"),
+        (
+            {"messages": [{"role": "user", "content": "q"}], "stream_options": {"include_usage": 1}},
+            "stream_options",
+        ),
     ],
 )
 def test_a_request_is_refused_naming_its_field(body, param):
@@ -68,3 +74,42 @@ def test_conversations_compare_by_content_and_calls():
         first_difference([edited], [sent])
         == "messages[0] (assistant) differs from the recorded one in content"
     )
+
+
+def _asked(calls, *answers):
+    """[user, assistant with `calls` (ids), then a tool message per answered id]."""
+    made = [{"id": c, "type": "function", "function": {"name": "search", "arguments": "{}"}} for c in calls]
+    tools = [{"role": "tool", "tool_call_id": a, "content": "r"} for a in answers]
+    return [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": made},
+        *tools,
+    ]
+
+
+def test_a_tool_message_must_answer_a_call_of_the_assistant_before_it():
+    assert len(parse_chat_request({"messages": _asked(["c1", "c2"], "c2", "c1")}, RUN).messages) == 4
+    for messages, where, said in (
+        (_asked(["c1"], "c9"), "messages[2].tool_call_id", "'c9' answers no tool call"),  # no such call
+        (_asked(["c1"], "c1", "c1"), "messages[3].tool_call_id", "none left unanswered"),  # answered twice
+        (
+            [{"role": "tool", "tool_call_id": "c1", "content": "r"}],
+            "messages[0].tool_call_id",
+            "before it: none",
+        ),
+        (_asked(["c1"], None), "messages[2].tool_call_id", "missing: say which tool call"),  # no id at all
+    ):
+        with pytest.raises(ApiError) as err:
+            parse_chat_request({"messages": messages}, RUN)
+        assert (err.value.status, err.value.param) == (400, where) and said in err.value.message
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only():
+    two = f"{CALL}\n{CALL.replace('a b', 'c')}"
+    assert len(split_turn(two)[1]) == 2
+    content, calls = split_turn(two, max_calls=1)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"query": "a b"}]
+    assert content == CALL.replace("a b", "c")  # the second block stays text, as sampled
+    req = {"messages": [{"role": "user", "content": "q"}]}
+    assert parse_chat_request(req, RUN).parallel_tool_calls is True
+    assert parse_chat_request({**req, "parallel_tool_calls": False}, RUN).parallel_tool_calls is False

@@ -340,12 +340,13 @@ def test_stale_minibatches_overshoot_and_are_pulled_back():
 # ------------------------------------------------------------------------------------------- §11.1
 
 
-@pytest.mark.parametrize("mode", ["token_tis", "seq_is", "token_mask"])
+@pytest.mark.parametrize("mode", ["token_tis", "geo_tis", "token_mask", "prod_tis", "prod_mis"])
 def test_gradient_identity_at_proximal(mode):
-    # μ sampled the tokens; π_prox (step-start weights) ≠ μ. With s_i = (1/ℓ_i) Σ_t c_t (log π − log π_prox)
-    # the gradient at θ = π_prox is −(1/Z) Σ_𝒯 (1/τ) Σ_i V_i Σ_t c_t ∇log π(y_{i,t}): the tree policy
-    # gradient with each token importance-weighted by c_t (token_tis: min(π_prox/μ, C); seq_is: the turn's
-    # geometric-mean ratio, truncated; token_mask: 1 inside the band, else 0). Z stays Σ ℓ_i of every turn.
+    # μ sampled the tokens; π_prox (step-start weights) ≠ μ. With s_i = Σ_t c_t (log π − log π_prox) / Σ_t c_t
+    # and turn weight Σ_t c_t, the gradient at θ = π_prox is −(1/Z) Σ_𝒯 (1/τ) Σ_i V_i Σ_t c_t ∇log π(y_{i,t}):
+    # the tree policy gradient with each token importance-weighted by c_t (token_tis: min(π_prox/μ, C);
+    # geo_tis: the turn's geometric-mean ratio, truncated; token_mask: 1 inside the band, else 0; prod_tis:
+    # the turn's product ratio, truncated; prod_mis: the product, 0 above C). Z stays Σ ℓ_i of every turn.
     b = make_batch(seed=21, n_trees=12, rho=0.25)
     gen = torch.Generator().manual_seed(3)
     theta_mu = torch.randn(BUCKETS, VOCAB, dtype=F64, generator=gen) * 0.5

@@ -40,13 +40,30 @@ def test_token_tis_truncates_each_ratio_at_c():
     assert st["is_masked_tokens"] == 0
 
 
-def test_seq_is_gives_each_unit_its_geometric_mean():
-    w, st = _weights("seq_is", threshold=2.0)
+def test_geo_tis_gives_each_unit_its_geometric_mean():
+    w, st = _weights("geo_tis", threshold=2.0)
     root3 = math.sqrt(3.0)  # exp(mean(log 3, log 1)); unit 1: exp((log ¼ + 0 + log 4)/3) = 1
     assert w.tolist() == pytest.approx([root3, root3, 1, 1, 1, 0, 0])
     assert st["is_clipped_tokens"] == 0
-    w, st = _weights("seq_is", threshold=1.5)  # √3 > 1.5: unit 0's two tokens are clipped to 1.5
+    w, st = _weights("geo_tis", threshold=1.5)  # √3 > 1.5: unit 0's two tokens are clipped to 1.5
     assert w.tolist() == pytest.approx([1.5, 1.5, 1, 1, 1, 0, 0]) and st["is_clipped_tokens"] == 2
+
+
+def test_prod_tis_gives_each_unit_its_likelihood_ratio():
+    # unit 0: 3 · 1 = 3; unit 1: ¼ · 1 · 4 = 1 (the NaN-μ token is not in it)
+    w, st = _weights("prod_tis", threshold=5.0)
+    assert w.tolist() == pytest.approx([3, 3, 1, 1, 1, 0, 0])
+    assert st["is_clipped_tokens"] == 0 and st["is_log_ratio_max"] == pytest.approx(math.log(3.0))
+    w, st = _weights("prod_tis", threshold=2.0)  # 3 > 2: unit 0's two tokens weigh C = 2
+    assert w.tolist() == pytest.approx([2, 2, 1, 1, 1, 0, 0]) and st["is_clipped_tokens"] == 2
+
+
+def test_prod_mis_drops_units_whose_ratio_exceeds_c():
+    w, st = _weights("prod_mis", threshold=2.0)  # unit 0's ratio 3 > 2: dropped; unit 1 keeps its ratio 1
+    assert w.tolist() == pytest.approx([0, 0, 1, 1, 1, 0, 0])
+    assert (st["is_masked_tokens"], st["is_masked_units"], st["is_clipped_tokens"]) == (2, 1, 0)
+    w, _ = _weights("prod_mis", threshold=4.0)  # 3 ≤ 4: kept at its ratio, not truncated
+    assert w.tolist() == pytest.approx([3, 3, 1, 1, 1, 0, 0])
 
 
 def test_token_mask_drops_tokens_outside_the_band():
@@ -57,27 +74,28 @@ def test_token_mask_drops_tokens_outside_the_band():
     assert st["is_masked_tokens"] == 3
 
 
-def test_seq_mask_drops_whole_units():
-    w, st = _weights("seq_mask", band=(0.5, 1.5))  # unit 0's √3 ≈ 1.73 leaves the band, unit 1's 1 stays
+def test_geo_mask_drops_whole_units():
+    w, st = _weights("geo_mask", band=(0.5, 1.5))  # unit 0's √3 ≈ 1.73 leaves the band, unit 1's 1 stays
     assert w.tolist() == [0, 0, 1, 1, 1, 0, 0]
     assert (st["is_masked_tokens"], st["is_masked_units"]) == (2, 1)
 
 
-def test_treeopsd_weights_scale_each_tokens_log_ratio():
-    # One turn, 2 tokens, log π − log π_prox = (0.2, 0.4), q = ½. c = (2, 0): token 2 leaves the turn, so
-    # ℓ = 1 and s = 2·0.2 / 1 = 0.4; L = ℓ KL(½ ‖ σ(0.4)) / ℓ = ½ log(½/σ(0.4)) + ½ log(½/σ(−0.4)).
+def test_treeopsd_weights_make_a_weighted_mean_log_ratio():
+    # One turn, 2 tokens, log π − log π_prox = (0.2, 0.4), q = ½, c = (2, 0). The weights are normalised in
+    # the turn: m = Σ c = 2, s = (2·0.2 + 0·0.4) / 2 = 0.2; the turn weighs m in the sum and Z = ℓ = 2 (both
+    # tokens are finite: a zero weight shrinks the step, it does not leave Z). L = 2 KL(½ ‖ σ(0.2)) / 2.
     ref = torch.zeros(2, dtype=F64)
     logp = torch.tensor([0.2, 0.4], dtype=F64, requires_grad=True)
     c = torch.tensor([2.0, 0.0], dtype=F64)
     loss, st = treeopsd_loss(logp, ref, torch.tensor([0, 0]), torch.tensor([0.5], dtype=F64), token_weights=c)
-    sig = 1 / (1 + math.exp(-0.4))
+    sig = 1 / (1 + math.exp(-0.2))
     assert loss.item() == pytest.approx(
         0.5 * math.log(0.5 / sig) + 0.5 * math.log(0.5 / (1 - sig)), rel=1e-12
     )
-    assert st["num_tokens"] == 1.0 and st["mean_abs_s"] == pytest.approx(0.4)
+    assert (st["num_tokens"], st["weight_mass"]) == (2.0, 2.0) and st["mean_abs_s"] == pytest.approx(0.2)
     loss.backward()
-    # dL/dlogp_t = c_t (σ(s) − q) / Z = (2 (σ(0.4) − ½), 0)
-    assert logp.grad.tolist() == pytest.approx([2 * (sig - 0.5), 0.0], rel=1e-12)
+    # dL/dlogp_t = m · (σ(s) − q) · (c_t / m) / Z = c_t (σ(s) − q) / Z = (2 (σ(0.2) − ½) / 2, 0)
+    assert logp.grad.tolist() == pytest.approx([sig - 0.5, 0.0], rel=1e-12)
 
 
 def test_ppo_clip_multiplies_each_tokens_objective():
