@@ -26,6 +26,7 @@ gate between turns, the lockstep loop between rounds of turns.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -200,6 +201,7 @@ class TreeSampler:
         if self.external is not None:  # e.g. external/rejected_requests (the agent endpoint)
             stats.update(self.external.metrics())
         stats["sampler/version"] = float(self.version())
+        stats["sampler/gc_frozen"] = float(gc.get_freeze_count())  # long-lived objects out of collections
         elapsed = time.perf_counter() - self.started
         stats["sampler/idle_ratio"] = max(0.0, 1.0 - stats["sampler/busy_s"] / max(elapsed, 1e-9))
         return stats

@@ -14,6 +14,7 @@ import ray
 from ray.rllib.utils.actor_manager import FaultAwareApply
 
 from actors.failures import SamplerConfigFailure
+from actors.heap import freeze_long_lived
 from actors.sampler_setup import sampler_parts
 from actors.tree_sampler import TreeSampler
 from actors.weight_subscriber import WeightSubscriber
@@ -53,7 +54,9 @@ def build_sampler(
     sub = WeightSubscriber(endpoint, key, fetch_timeout_s=timeout) if endpoint else None
     parts = sampler_parts(config, model_path, index, incarnation)
     parts["prefix"] = f"s{index}-{uuid.uuid4().hex[:8]}"
-    return TreeSampler(**parts, store=SamplerStore(ray.get_actor(store)), weights=sub)
+    sampler = TreeSampler(**parts, store=SamplerStore(ray.get_actor(store)), weights=sub)
+    freeze_long_lived()  # engine, model, env and index out of every full collection, as in-process samplers
+    return sampler
 
 
 class SamplerHealth(FaultAwareApply):

@@ -32,3 +32,7 @@ def test_the_async_default_step_start_with_prod_tis_logs_the_staleness_view(
     weights = [v for _, v in scalars["correction/weight_max"]]
     assert all(0 < w <= 2.0 for w in weights)  # prod_tis truncates at algo.is_threshold = 2
     assert all(v >= 0 for _, v in scalars["mismatch/k3"])  # k3 ≥ 0 by construction
+    # the samplers `treeopsd train` starts on Ray froze their long-lived heap (runtime/sampler_role.py); the
+    # code before this check skipped it there, so the count stayed 0 (gc.freeze never called in the actor)
+    frozen = [v for tag, points in scalars.items() if tag.endswith("sampler/gc_frozen") for _, v in points]
+    assert frozen and min(frozen) > 1000
