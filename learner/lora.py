@@ -18,9 +18,10 @@ needed here).
 and the LM head too) and adds the adapters, which are the only parameters requiring grad, so AdamW holds
 state for them only (learner/device.py `adamw`). HF samplers get the adapter alone (`published_weights`:
 lora_A/lora_B, scaling and the base's fingerprint; system/lora_sync.py) and merge it into their own copy of
-the base; vLLM samplers still get whole weights under the base's names (`served_parameters` merges each
-adapted layer, W + scale·B·A). B starts at zero, so the adapted model starts exactly at the base (the first
-step runs at θ_old).
+the base; vLLM samplers get it too and load it as a vLLM LoRA adapter (actors/policy/vllm_lora.py), unless
+`sampler.engine.enable_lora: false`: then whole weights under the base's names (`served_parameters` merges
+each adapted layer, W + scale·B·A). B starts at zero, so the adapted model starts exactly at the base (the
+first step runs at θ_old).
 
 **Checkpoints.** `save_with_adapter` saves the merged weights as the checkpoint's model.safetensors (read
 by `from_pretrained`, export and evaluation as any checkpoint) and the adapter beside it, with the base's
@@ -28,6 +29,10 @@ fingerprint, rank and alpha; `restore_with_adapter` refuses, in one line, an ada
 rank, alpha or layer set, or a checkpoint of the other kind, and then loads the adapter alone (exactly)
 and AdamW's state. The fingerprint samples values instead of hashing every byte: a different base or
 another fine-tune of it differs almost everywhere, and a sample costs nothing on billions of weights.
+
+**On ranks** (`learner.ranks > 1`, learner/lora_sharded.py): FSDP2 shards the frozen base and the adapters
+alike; the published adapter, `adapter_meta` and the DCP checkpoints are the same as one rank's, the adapter
+gathered from its shards and the base's fingerprint computed once, before sharding (`KEPT_FINGERPRINT`).
 
 **Dropout** (`learner.lora.dropout`, default 0) acts on the adapter's input in the passes that build a
 gradient only: the learner keeps its model in eval mode (HF's own dropout off, §11), and its no-grad passes
@@ -44,12 +49,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from configs.lora import LoraConfig
 from storage.checkpoint import DCP_FORMAT, Adapter, Checkpoint, save_checkpoint
 from storage.dcp_checkpoint import restore_dcp
-from system.lora_sync import ADAPTER_NAMES, adapter_message, fingerprint
+from system.lora_sync import ADAPTER_NAMES, adapter_message, fingerprint, samplers_load_adapters
 from system.weight_wire import NamedWeights
+
+KEPT_FINGERPRINT = "lora_base_fingerprint"  # a sharded model's base fingerprint, kept from before sharding
 
 
 class LoraError(ValueError):
@@ -175,15 +183,17 @@ def served_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 def base_fingerprint(model: nn.Module) -> str:
     """system/lora_sync.py `fingerprint` of the base: the adapters are left out, so a model has the same
     fingerprint before and after `apply_lora`, and after any number of LoRA steps; an HF sampler holding
-    the same base in the same dtype computes the same one."""
-    return fingerprint(model.named_parameters())
+    the same base in the same dtype computes the same one. A sharded model's is the one kept before sharding
+    (learner/lora_sharded.py `keep_base_fingerprint`; the base is frozen, so it holds for the whole run)."""
+    kept = getattr(model, KEPT_FINGERPRINT, None)
+    return kept if isinstance(kept, str) else fingerprint(model.named_parameters())
 
 
 def published_weights(model: nn.Module, cfg: Any, full: Callable[[], dict[str, torch.Tensor]]) -> dict:
-    """What the learner publishes (Learner._publish): with LoRA and HF samplers the adapter alone
-    (`adapter_weights`); else `full()`, the served parameters (merged with LoRA: vLLM samplers do not load
-    adapters)."""
-    if lora_layers(model) and cfg.sampler.backend == "hf":
+    """What the learner publishes (Learner._publish): with LoRA the adapter alone (`adapter_weights`; HF
+    samplers merge it, vLLM samplers load it as a vLLM LoRA adapter, actors/policy/vllm_lora.py) unless
+    `sampler.engine.enable_lora` is false (vLLM samplers then get merged weights); else `full()`."""
+    if lora_layers(model) and samplers_load_adapters(cfg):
         return adapter_weights(model, getattr(torch, cfg.weights_dtype))
     return full()
 
@@ -191,9 +201,14 @@ def published_weights(model: nn.Module, cfg: Any, full: Callable[[], dict[str, t
 def adapter_weights(model: nn.Module, dtype: torch.dtype) -> NamedWeights:
     """What a LoRA learner publishes to HF samplers (system/lora_sync.py): CPU copies of the adapter tensors
     in `dtype`, with scaling, rank and the base's fingerprint in the header's meta."""
-    first = next(iter(lora_layers(model).values()))
-    tensors = {n: t.to("cpu", dtype, copy=True) for n, t in adapter_state(model).items()}
+    first = next(iter(lora_layers(model).values()))  # a sharded model's adapter: gathered, on every rank
+    tensors = {n: whole(t).to("cpu", dtype, copy=True) for n, t in adapter_state(model).items()}
     return adapter_message(tensors, first.scaling, first.rank, base_fingerprint(model))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank gathers it, in the same order); a tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def adapter_meta(model: nn.Module) -> dict[str, Any]:
@@ -259,6 +274,16 @@ def save_with_adapter(
 def restore_with_adapter(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Model, optimizer and RNGs from `ckpt`: one rank's, a sharded run's (DCP) or a LoRA run's, each into a
     learner of its own kind only (one line refuses the others)."""
+    check_restorable(ckpt, model)
+    if ckpt.meta.get("format") == DCP_FORMAT:  # a sharded run's checkpoint, restored in one process
+        restore_dcp(ckpt, model, optimizer)
+    else:
+        ckpt.restore(model, optimizer)
+
+
+def check_restorable(ckpt: Checkpoint, model: nn.Module) -> None:
+    """Refuses in one line, before anything is loaded, a LoRA checkpoint for a full model, a full one for a
+    LoRA model, and an adapter of another base, rank, alpha or layer set (`check_adapter`)."""
     kept, adapted = ckpt.meta.get("lora"), bool(lora_layers(model))
     if kept is None and adapted:
         raise LoraError(
@@ -269,7 +294,3 @@ def restore_with_adapter(ckpt: Checkpoint, model: nn.Module, optimizer: torch.op
         raise LoraError(f"{ckpt.path} holds a LoRA adapter: resume it with learner.lora.rank = {rank}")
     if kept is not None:
         check_adapter(model, kept, ckpt.path)
-    if ckpt.meta.get("format") == DCP_FORMAT:  # a sharded run's checkpoint, restored in one process
-        restore_dcp(ckpt, model, optimizer)
-    else:
-        ckpt.restore(model, optimizer)

@@ -16,7 +16,9 @@ whole mini-batch (learner/minibatch.py) — and trains only its share of each mi
 
 The sum over ranks of the shares is the one-shot loss, so R ranks train the same step as one rank up to float
 rounding (tests/ray/test_learner_group.py: ≤ 1e-5 in fp32). Weights for the broadcast are one full state dict
-gathered on rank 0, which alone publishes; checkpoints are torch DCP shards (storage/dcp_checkpoint.py).
+gathered on rank 0, which alone publishes; checkpoints are torch DCP shards (storage/dcp_checkpoint.py). LoRA
+(learner.lora.rank > 0) shards the frozen base and the adapters alike, publishes the adapter gathered from its
+shards and checkpoints merged weights + adapter (learner/lora_sharded.py).
 The process group must be up before construction (runtime/learner_roles.py, or any script that runs
 `distributed.init_process_group`).
 """
@@ -49,10 +51,12 @@ from learner.distributed import (
 )
 from learner.forward import attention_scope
 from learner.learner import Learner
+from learner.lora import check_restorable, published_weights
+from learner.lora_sharded import keep_base_fingerprint, save_dcp_with_adapter, served_from_full
 from learner.minibatch import microbatch_pieces
 from learner.packing import PackedBatch
 from storage.checkpoint import Checkpoint, checkpointed_metrics, load_latest, verify_checkpoint
-from storage.dcp_checkpoint import restore_into, save_dcp_checkpoint
+from storage.dcp_checkpoint import restore_into
 from storage.tree_codec import decode_ipc, encode_ipc
 from system.microbatch import Piece, first_fit_decreasing
 from system.tree import RolloutTree
@@ -90,7 +94,7 @@ class ShardedLearner(Learner):
     """`Learner` on one rank of an initialized process group (module docstring). Rank 0 alone holds the
     store client and the weight source; the others pass None."""
 
-    write_checkpoint = staticmethod(save_dcp_checkpoint)  # every rank its shards, rank 0 the rest
+    write_checkpoint = staticmethod(save_dcp_with_adapter)  # every rank its shards, rank 0 the rest
 
     def __init__(self, model: nn.Module, cfg: Any, **kwargs: Any) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -99,6 +103,7 @@ class ShardedLearner(Learner):
 
     def _place_model(self, model: nn.Module) -> nn.Module:
         model = prepare_model(model, self.cfg, self.device)  # fp32 master weights, dropout off, checkpointing
+        keep_base_fingerprint(model)  # LoRA: while the base is whole
         self.scorer = shard_model(model, device_mesh(self.device), self.cfg.learner.precision)
         return model
 
@@ -181,18 +186,21 @@ class ShardedLearner(Learner):
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The full parameters in `weights.dtype` on rank 0 ({} elsewhere): every rank joins the gather."""
+        """The full parameters in `weights.dtype` on rank 0 ({} elsewhere): every rank joins the gather. With
+        LoRA the served ones, as one rank's: merged, under the base's names."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full: dict[str, Any] = get_model_state_dict(self.model, options=options)
         if self.rank != 0:
             return {}
         dtype = getattr(torch, self.cfg.weights_dtype)
-        names = [n for n, _ in self.model.named_parameters()]  # tied weights once, as on one rank
-        return {n: full[n].to(dtype).contiguous() for n in names}
+        served = served_from_full(self.model, full)
+        names = [n for n, _ in self.model.named_parameters() if n in served]  # tied ones once, as on 1 rank
+        return {n: served[n].to(dtype).contiguous() for n in names}
 
     def _publish(self) -> float:
         t0 = time.perf_counter()
-        weights = self.named_weights()  # a collective: every rank, also those that publish nothing
+        # a collective: every rank, also those that publish nothing (LoRA: the adapter, gathered from shards)
+        weights = published_weights(self.model, self.cfg, self.named_weights)
         if self.rank == 0 and self.weights is not None:
             self.weights.publish(weights, self.version)
         if self.rank == 0 and self.store is not None:
@@ -215,6 +223,7 @@ class ShardedLearner(Learner):
         if path is None:
             return None
         ckpt = chosen or verify_checkpoint(Path(path.decode()), hashes=False)
+        check_restorable(ckpt, self.model)  # LoRA: one line refuses another base or kind, before any load
         restore_into(ckpt, self.model, self.optimizer)
         self.version = ckpt.version
         self.last_metrics = checkpointed_metrics(ckpt)

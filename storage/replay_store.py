@@ -17,24 +17,25 @@ Durability contract (what the tests check):
   * lease_raw leases uncredited trees to one backup for `lease_s` seconds (in memory). A crashed backup's
     trees come back when the lease expires, on `release_raw`, or on reopen; crediting is idempotent (a
     later credited copy replaces the earlier one and keeps its queue position).
-  * take_batch(n): the n oldest credited, unconsumed trees (by first credit commit) are recorded as batch
-    k = watermark() in consumed.log (fsynced) *before* returning. So after any restart nothing is
-    handed out twice. A crash after the record but before the learner trained batch k must not skip it: the
-    learner checkpoints the watermark w of batches it has trained and calls `rewind_to(w)` on resume, which
-    durably voids batches ≥ w and returns their trees to the queue at their old positions — with the same
-    n, take_batch then hands out the same batches k = w, w+1, … again. Trained at most once, none skipped.
+  * take_batch(n): the n oldest credited, unconsumed main trees (by first credit commit), each with its side
+    trees (storage/linked.py), are recorded as batch k = watermark() in consumed.log (fsynced) *before*
+    returning. So after any restart nothing is handed out twice. A crash after the record but before the
+    learner trained batch k must not skip it: the learner checkpoints the watermark w of batches it has
+    trained and calls `rewind_to(w)` on resume, which durably voids batches ≥ w and returns their trees to
+    the queue at their old positions — with the same n, take_batch then hands out the same batches k = w,
+    w+1, … again. Trained at most once, none skipped.
   * Recovery on a writable open: temp files, torn/corrupt segments (truncated, bad magic, unknown schema
     version, failing tree validation, duplicate ids) and a torn consumed.log tail are moved to quarantine/
     and listed in `recovery_report`; everything else stays readable. Read-only opens report, never move.
 
-Staleness admission (AReaL): capacity = (eta + v + 1)·B − produced, v = learner version, produced = trees in
-the store + outstanding reservations. `admit(n)` reserves min(n, capacity); a commit uses up reservations
-first; a crashed sampler's reservations come back with `release(n)` (or on reopen, as they are in memory).
+Staleness admission (AReaL): capacity = (eta + v + 1)·B − produced, v = learner version, produced = main
+trees in the store (side trees take no slot) + outstanding reservations. `admit(n)` reserves min(n, capacity);
+a commit uses up reservations first; a crashed sampler's reservations come back with `release(n)` (or on
+reopen, as they are in memory).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
@@ -49,6 +50,7 @@ import pyarrow as pa
 
 from storage import store_files as sf
 from storage.durable import write_atomic
+from storage.linked import Links
 from storage.store_files import Entry, Loc, StoreError
 from storage.tree_checks import check_trees
 from storage.tree_codec import decode_trees, encode_trees, flat_columns, table_to_ipc
@@ -88,6 +90,7 @@ class ReplayStore:
         self._pending: dict[str, None] = {}  # credited, unconsumed, in credit order
         self._credit_pos: dict[str, int] = {}
         self._summary: dict[str, sf.Summary] = {}
+        self._links = Links()  # side trees -> their episode tree
         self._consumed: set[str] = set()
         self._batches: list[list[str]] = []
         self._leases: dict[str, float] = {}
@@ -95,11 +98,9 @@ class ReplayStore:
         self._learner_version, self._reserved = 0, 0
         self.recovery_report: list[dict[str, Any]] = []
         self._lock_fd, self._log = -1, None
+        sf.init_or_check(self.root, create and not readonly)
         if not readonly:
-            sf.init_or_check(self.root, create)
             self._lock_fd = sf.lock_store(self.root)
-        else:
-            sf.init_or_check(self.root, create=False)
         self._next_seq = 1
         try:
             good = self._load_log()
@@ -159,6 +160,7 @@ class ReplayStore:
         self._segments[seq] = (path, kind, path.stat().st_size)
         for tid, loc, summary in entries:
             self._summary[tid] = summary
+            self._links.add(tid, summary.episode)
             if kind == "raw":
                 self._raw[tid] = loc
                 if tid not in self._credited:
@@ -192,7 +194,7 @@ class ReplayStore:
         batch = encode_trees(trees)
         f = flat_columns(batch)
         check_trees(batch, f)  # a tree failing validation never reaches disk
-        return table_to_ipc(batch), sf.batch_entries(self._next_seq, 0, f)
+        return table_to_ipc(batch), sf.batch_entries(self._next_seq, 0, batch, f)
 
     def _commit(self, kind: str, buf: bytes, entries: list[Entry]) -> int:
         ids = [e[0] for e in entries]
@@ -213,7 +215,7 @@ class ReplayStore:
             if old:
                 raise ValueError(f"tree ids already in the store: {old[:5]}")
             seq = self._commit("raw", buf, entries)
-            self._reserved = max(0, self._reserved - len(entries))
+            self._reserved = max(0, self._reserved - self._links.mains(e[0] for e in entries))
             return seq
 
     def put_credited(self, trees: Trees) -> int:
@@ -280,9 +282,9 @@ class ReplayStore:
             raise ValueError(f"batch size must be positive, got {n}")
         with self._mu:
             self._writable()
-            if len(self._pending) < n:
+            ids = None if len(self._pending) < n else self._links.select(self._pending, n, self._uncredited)
+            if ids is None:
                 return None
-            ids = list(itertools.islice(self._pending, n))
             self._log.append({"op": "batch", "k": len(self._batches), "ids": ids})  # type: ignore[union-attr]
             self._batches.append(ids)
             self._consumed.update(ids)
@@ -339,7 +341,8 @@ class ReplayStore:
         if eta is None or b is None:
             raise ValueError("admission needs eta and batch_size (constructor or call)")
         with self._mu:
-            return admission_capacity(eta, self._learner_version, b, len(self._summary) + self._reserved)
+            produced = len(self._summary) - len(self._links.episode) + self._reserved  # main trees
+            return admission_capacity(eta, self._learner_version, b, produced)
 
     def admit(self, n: int, eta: int | None = None, batch_size: int | None = None) -> int:
         """Reserves up to n tree starts for a sampler; returns how many were granted."""
@@ -370,13 +373,10 @@ class ReplayStore:
                     "consumed": len(self._consumed),
                     "total": len(self._summary),
                 },
+                "side_trees": self._links.stats(self._summary),
                 **{k: sum(getattr(s, k) for s in summaries) for k in ("nodes", "leaves", "tokens")},
                 "policy_versions": {str(int(v)): int(c) for v, c in sorted(versions.items())},
-                "segments": {
-                    "raw": kinds["raw"],
-                    "credited": kinds["credited"],
-                    "total": len(self._segments),
-                },
+                "segments": {"raw": 0, "credited": 0, **kinds, "total": len(self._segments)},
                 "bytes": sum(size for _, _, size in self._segments.values()),
                 "quarantined": len(sf.quarantined_files(self.root)),
                 "batches_handed_out": len(self._batches),

@@ -21,7 +21,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage.durable import fsync_dir, write_atomic
+from storage.linked import episode_links
 from storage.tree_checks import check_trees
 from storage.tree_codec import SCHEMA, FlatColumns, TreeCodecError, check_schema, flat_columns
 from system.tree import TreeValidationError
@@ -201,6 +202,7 @@ class Summary:
     leaves: int
     tokens: int
     versions: tuple[tuple[int, int], ...]  # (policy_version, turns)
+    episode: str | None = None  # a side tree's episode tree (meta `episode_tree`: storage/linked.py)
 
 
 Entry = tuple[str, Loc, Summary]
@@ -223,10 +225,10 @@ def summaries(f: FlatColumns) -> list[Summary]:
     return out
 
 
-def batch_entries(seq: int, bi: int, f: FlatColumns) -> list[Entry]:
-    starts = f.tree_starts.tolist()
+def batch_entries(seq: int, bi: int, batch: pa.RecordBatch, f: FlatColumns) -> list[Entry]:
+    starts, links = f.tree_starts.tolist(), episode_links(batch, f)
     return [
-        (tid, Loc(seq, bi, starts[k], starts[k + 1]), s)
+        (tid, Loc(seq, bi, starts[k], starts[k + 1]), replace(s, episode=links[k]))
         for k, (tid, s) in enumerate(zip(f.tree_ids, summaries(f), strict=True))
     ]
 
@@ -266,7 +268,7 @@ def check_batches(
             raise StoreError("a credited segment holds a tree without credit")
         if full:
             check_trees(b, f)  # every tree must pass validate_tree's rules
-        entries.extend(batch_entries(seq, bi, f))
+        entries.extend(batch_entries(seq, bi, b, f))
     ids = [e[0] for e in entries]
     if not ids or len(set(ids)) != len(ids):
         raise StoreError("a segment must hold at least one tree and no tree id twice")

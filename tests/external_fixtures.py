@@ -104,3 +104,29 @@ def worst_rescore_gap(trees, score) -> float:
 def broken_harness(task, base_url, session):
     """A harness that fails every episode (before any request): `treeopsd train` must stop on it."""
     raise RuntimeError("the harness broke")
+
+
+def counted_harness(task, base_url, session):
+    """A harness whose `external/*` counts are known per tree of M = 2 trunks (no branches: one main turn per
+    episode leaves no anchor): trunk m1 raises before any request (1 episode dropped, a harness error); m0
+    asks one main turn, one judge (a side call: 1 side tree), one request with a forged key (1 rejected
+    before any session), posts its reward twice (the second a 409: 1 double reward) and returns None."""
+    import httpx
+    import openai
+
+    if session.endswith("/m1"):
+        raise RuntimeError("trunk m1 gives up")
+    client = openai.OpenAI(base_url=base_url, api_key=task["api_key"], max_retries=0)
+    msgs = [
+        {"role": "system", "content": task["system_prompt"]},
+        {"role": "user", "content": task["question"]},
+    ]
+    client.chat.completions.create(model="policy", messages=msgs, tools=task["tools"])
+    judge = [{"role": "user", "content": f"Judge the answer to: {task['question']}"}]
+    client.chat.completions.create(model="policy", messages=judge)
+    forged = task["api_key"].rsplit(".", 1)[0] + "." + "0" * 64
+    assert httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {forged}"}).status_code == 401
+    key = {"Authorization": f"Bearer {task['api_key']}"}
+    posts = [httpx.post(f"{base_url}/reward", json={"reward": 1.0}, headers=key) for _ in range(2)]
+    assert [p.status_code for p in posts] == [200, 409]
+    return None

@@ -129,3 +129,25 @@ def vllm_backend(tiny_model_dir: Path) -> Iterator[Any]:
     finally:
         if (backend := _SHARED.pop("backend", None)) is not None:
             backend.close()
+
+
+LORA_RANK = 4  # the LoRA engine's adapters (tests/component/test_vllm_lora.py); its max_lora_rank is 8
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_backend(tiny_model_dir: Path) -> Iterator[Any]:
+    """The session's one LoRA engine (`lora_rank`: enable_lora, max_lora_rank 8, max_loras 2), else as
+    `vllm_backend`; a module of its own, so a run of the LoRA tests alone starts this engine only."""
+    from actors.policy.vllm_backend import VLLMBackend
+
+    if "lora_backend" not in _SHARED:
+        t0 = time.perf_counter()
+        _SHARED["lora_backend"] = VLLMBackend(
+            str(tiny_model_dir), dtype="float32", max_model_len=1024, seed=1234, lora_rank=LORA_RANK
+        )
+        MEASUREMENTS["lora_engine_start_s"] = time.perf_counter() - t0
+    try:
+        yield _SHARED["lora_backend"]
+    finally:
+        if (backend := _SHARED.pop("lora_backend", None)) is not None:
+            backend.close()

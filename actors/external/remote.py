@@ -1,7 +1,8 @@
 """Agents in a process of their own: the run hands its episodes out over HTTP instead of calling a harness.
 
-    treeopsd train env.harness=actors.external.remote:queued env.protocol=qwen3 env.agent_port=8100
-    python examples/remote_agent.py --url http://127.0.0.1:8100/v1          # any process, any language
+    treeopsd train env.harness=actors.external.remote:queued env.protocol=qwen3 --run-dir runs/agent
+    python examples/remote_agent.py --run-dir runs/agent    # any process, any language: every sampler's
+                                                            # endpoint, as RUN_DIR/agent_endpoints.json lists
 
 `queued` is the harness: per episode it offers the task on its endpoint's queue and waits until an agent
 finished it. The agent polls `GET /v1/tasks/next` (`{"task": null}` while none waits; else the task's JSON:

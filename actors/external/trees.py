@@ -46,6 +46,7 @@ import numpy as np
 from actors.async_loop import EpisodeRunner, gather_or_cancel
 from actors.envs.base import Task
 from actors.envs.tool_calls import ToolCall
+from actors.external.discovery import Discovery
 from actors.external.endpoint import AgentEndpoint
 from actors.external.health import HarnessHealth
 from actors.external.openai_format import SamplingBounds
@@ -117,6 +118,7 @@ class ExternalTrees:
         self.bounds, self.limits, self.side_calls = bounds, limits, side_calls
         name = name or f"{getattr(harness, '__module__', '?')}:{getattr(harness, '__qualname__', harness)}"
         self.health = HarnessHealth(name, limits.max_failures)
+        self.discovery: Discovery | None = None  # its entry in RUN_DIR/agent_endpoints.json, if listed
 
     def grow(
         self, sampler: TreeSampler, tasks: Sequence[Task], rng: np.random.Generator, ids: Sequence[str]
@@ -176,6 +178,8 @@ class ExternalTrees:
         }
 
     def close(self) -> None:
+        if self.discovery is not None:
+            self.discovery.withdraw()
         self.endpoint.close()
 
 

@@ -66,6 +66,7 @@ def protocol_warmstart(
     seed: int = 0,
     enable_thinking: bool = True,
     progress: bool = True,
+    hops: tuple[int, int] = (2, 3),
 ) -> dict[str, Any]:
     """SFTs the HF model in `model_dir` on `protocol` and saves it to `out_dir` (module docstring)."""
     import torch
@@ -74,7 +75,10 @@ def protocol_warmstart(
     from actors.policy.tiny_model import save_pretrained
 
     out = Path(out_dir)
-    knobs = {"steps": steps, "n_train": n_train, "batch_size": batch_size, "lr": lr, "seed": seed}
+    knobs: dict[str, Any] = {"steps": steps, "n_train": n_train, "batch_size": batch_size, "lr": lr}
+    knobs["seed"] = seed
+    if tuple(hops) != (2, 3):  # the default keeps its cache key
+        knobs["hops"] = list(hops)
     settings, digest = _settings(model_dir, protocol, enable_thinking=enable_thinking, **knobs)
     if (out / REPORT).is_file() and json.loads((out / REPORT).read_text()).get("settings_hash") == digest:
         return {**json.loads((out / REPORT).read_text()), "cached": True}
@@ -83,7 +87,7 @@ def protocol_warmstart(
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     env = SyntheticKBEnv()
     proto = make_protocol(protocol, tokenizer, env, enable_thinking)
-    examples = protocol_examples(proto, env, env.tasks("train", n=n_train, hops=(2, 3)))
+    examples = protocol_examples(proto, env, env.tasks("train", n=n_train, hops=tuple(hops)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else proto.eot_id
     warmup = max(1, steps // 10)
     losses = sft_train(model, examples, steps, batch_size, lr, warmup, "cosine", seed, pad, progress)

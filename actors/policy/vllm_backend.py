@@ -40,18 +40,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from actors.policy.vllm_engine import EngineLoop, engine_args, token_prompt_class
-from actors.policy.vllm_weights import SharedWeights, StagedWeights, memfd_available, write_file
+from actors.policy.vllm_lora import StagedAdapter, VLLMAdapters, lora_engine_args
+from actors.policy.vllm_weights import (
+    SharedWeights,
+    StagedWeights,
+    checkpoint_layout,
+    memfd_available,
+    write_file,
+)
 from actors.received_weights import SealedMemfd
+from system.lora_sync import is_adapter
 from system.policy import SampleRequest, SampleResult, SamplingConfig, mix_seed
 
 logger = logging.getLogger(__name__)
@@ -74,38 +80,6 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _local_model_dir(model_path: str) -> Path | None:
-    path = Path(model_path)
-    if path.is_dir():
-        return path
-    try:  # a hub name already in the local cache; never downloads
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model_path, local_files_only=True))
-    except Exception:
-        return None
-
-
-def checkpoint_layout(model_path: str) -> tuple[dict[str, tuple[int, ...]], bool]:
-    """(HF tensor name -> shape, tie_word_embeddings) read from safetensors headers, no tensor data."""
-    from safetensors import safe_open
-
-    folder = _local_model_dir(model_path)
-    if folder is None:
-        return {}, False
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    tied = False
-    config = folder / "config.json"
-    if config.exists():
-        cfg = json.loads(config.read_text())
-        tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings")))
-    return shapes, tied
-
-
 class VLLMBackend:
     """PolicyBackend and TurnServer over one AsyncLLM (see the module docstring for the semantics)."""
 
@@ -123,6 +97,7 @@ class VLLMBackend:
         cpu_dtype: str = "float32",
         weight_transfer: str = "auto",
         apply_timeout_s: float | None = 300.0,
+        lora_rank: int = 0,
     ) -> None:
         """Start the engine (20–60 s for the tiny model on 2 CPU cores; most of it torch.compile).
 
@@ -131,6 +106,7 @@ class VLLMBackend:
         `sampling.seed` is set, the per-request seeds. `extra_engine_args` (`sampler.engine`) go last, so
         they override anything set here. `weight_transfer`: "auto" (the memfd where Linux has one),
         "shared" or "file"; `apply_timeout_s` bounds a load's RPC (`weights.apply_timeout_s`).
+        `lora_rank` > 0 (`learner.lora.rank`): the engine loads the learner's LoRA adapters (vllm_lora.py).
         """
         vllm = _import_vllm()
         from vllm.sampling_params import RequestOutputKind
@@ -148,6 +124,7 @@ class VLLMBackend:
         self.weight_transfer, self._fallback = ("shared" if shared else "file"), weight_transfer == "auto"
         self._shared = SharedWeights()
         overrides: dict[str, Any] = {"enable_prefix_caching": enable_prefix_caching}
+        overrides.update(lora_engine_args(lora_rank))  # `sampler.engine` may still override these
         for key, value in (("dtype", dtype), ("max_model_len", max_model_len)):
             if value is not None:
                 overrides[key] = value
@@ -158,6 +135,8 @@ class VLLMBackend:
             engine_args(model_path, overrides, seed=seed, cpu_dtype=cpu_dtype)
         )
         self.max_model_len, self.block_size = self._loop.max_model_len, self._loop.block_size
+        lora = self._loop.engine.vllm_config.lora_config
+        self.adapters = VLLMAdapters(model_path, self._shapes, self._tied, lora.max_lora_rank if lora else 0)
 
     # ---------------------------------------------------------------- sampling
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
@@ -183,7 +162,11 @@ class VLLMBackend:
         params = params or self._sampling_params(req)
         self._n_ids += 1
         prompt = self._prompt_cls(prompt_token_ids=list(map(int, req.context)))
-        out = await self._engine().generate(prompt, params, f"{self._ids}-{self._n_ids}")
+        engine, lora = self._engine(), self.adapters.acquire()  # this turn's adapter, to its end
+        try:
+            out = await engine.generate(prompt, params, f"{self._ids}-{self._n_ids}", lora)
+        finally:
+            await self.adapters.done(engine.engine, lora)
         return self._to_result(req, out)
 
     def _check(self, req: SampleRequest, i: int) -> None:
@@ -242,8 +225,12 @@ class VLLMBackend:
         tag = f"{self._ids}-raw-{uuid.uuid4().hex[:6]}"
 
         async def all_of() -> list[Any]:
-            outs = (engine.generate(p, s, f"{tag}-{i}") for i, (p, s) in enumerate(items))
-            return list(await asyncio.gather(*outs))
+            lora = self.adapters.acquire()
+            try:
+                outs = (engine.generate(p, s, f"{tag}-{i}", lora) for i, (p, s) in enumerate(items))
+                return list(await asyncio.gather(*outs))
+            finally:
+                await self.adapters.done(engine.engine, lora)
 
         return engine.run(all_of())
 
@@ -285,12 +272,16 @@ class VLLMBackend:
         """Replace weights in place (HF checkpoint names); see `apply_weights`."""
         self._engine().run(self.apply_weights(named_tensors, version))
 
-    async def prepare_weights(self, named_tensors: Mapping[str, Any]) -> StagedWeights:
+    async def prepare_weights(self, named_tensors: Mapping[str, Any]) -> StagedWeights | StagedAdapter:
         """Checks a version and stages it for the workers in a worker thread while turns still run: the
         weight gate calls this before it pauses the episodes, so the pause is the load alone."""
         return await asyncio.to_thread(self._stage, named_tensors)
 
-    def _stage(self, named_tensors: Mapping[str, Any]) -> StagedWeights:
+    def _stage(self, named_tensors: Mapping[str, Any] | StagedAdapter) -> StagedWeights | StagedAdapter:
+        if isinstance(named_tensors, StagedAdapter):
+            return named_tensors
+        if is_adapter(named_tensors):  # a LoRA learner's version: checked, written as a PEFT folder
+            return self.adapters.stage(named_tensors)
         tensors = self._prepare_tensors(named_tensors)
         memfd = getattr(named_tensors, "memfd", None)
         if self.weight_transfer != "shared":
@@ -303,13 +294,18 @@ class VLLMBackend:
             source = self._shared.stage(tensors)
         return StagedWeights(tensors, source)
 
-    async def apply_weights(self, named_tensors: Mapping[str, Any] | StagedWeights, version: int) -> None:
+    async def apply_weights(
+        self, named_tensors: Mapping[str, Any] | StagedWeights | StagedAdapter, version: int
+    ) -> None:
         """All checks run before the engine is touched. A fused vLLM layer (e.g. qkv_proj, gate_up_proj)
         must receive all of its HF parts in one call; whole modules may be left out (they keep theirs)."""
         t0 = time.perf_counter()
         staged = named_tensors if isinstance(named_tensors, StagedWeights) else self._stage(named_tensors)
         loop = self._engine()
-        await loop.on_loop(self._load(loop, staged))
+        if isinstance(staged, StagedAdapter):  # added on every worker before it counts as this version
+            await loop.on_loop(self.adapters.load(loop.engine, staged, version))
+        else:
+            await loop.on_loop(self._load(loop, staged))
         self.version = version
         self.last_load_s = time.perf_counter() - t0
 
@@ -332,6 +328,7 @@ class VLLMBackend:
                 await loop.collective_rpc("treeopsd_load_weights", (path,), self.apply_timeout_s)
             finally:  # removed here, not in a worker: with tensor parallelism all workers read it
                 os.remove(path)
+        self.adapters.rebase(tensors)  # the base of later adapters; none is current now
         if not await loop.reset_prefix_cache():  # cached KV was computed with the old weights
             logger.warning("vLLM refused to reset the prefix cache after a weight load")
 
@@ -391,6 +388,8 @@ class VLLMBackend:
         if loop is not None:
             loop.shutdown(timeout_s)
         self._shared.close()
+        if hasattr(self, "adapters"):
+            self.adapters.close()
 
     def __enter__(self) -> VLLMBackend:
         return self

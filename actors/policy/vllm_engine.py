@@ -140,10 +140,11 @@ class EngineLoop:
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
-        """The request's final output (`params.output_kind` FINAL_ONLY: the only one it yields)."""
+    async def generate(self, prompt: Any, params: Any, request_id: str, lora_request: Any = None) -> Any:
+        """The request's final output (`params.output_kind` FINAL_ONLY: the only one it yields); with
+        `lora_request`, under that LoRA adapter (actors/policy/vllm_lora.py)."""
         final = None
-        async for out in self.engine.generate(prompt, params, request_id):
+        async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request):
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")

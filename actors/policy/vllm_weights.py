@@ -22,12 +22,14 @@ The file path costs a serialization, a write and a read of the whole payload on 
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ALIGN = 64
@@ -42,7 +44,7 @@ class StagedWeights:
     owner: Any = None  # what keeps `source`'s memfd open until the load (a received version's SealedMemfd)
 
 
-def _tmpfs_dir() -> str:
+def tmpfs_dir() -> str:
     """/dev/shm when usable (RAM-backed, so write+read is a memcpy), else the temp dir."""
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
@@ -114,6 +116,39 @@ def write_file(tensors: Mapping[str, Any]) -> str:
             t = t.clone()
         seen.add(t.untyped_storage().data_ptr())
         out[name] = t
-    path = os.path.join(_tmpfs_dir(), f"treeopsd-weights-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
+    path = os.path.join(tmpfs_dir(), f"treeopsd-weights-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
     save_file(out, path)
     return path
+
+
+def local_model_dir(model_path: str) -> Path | None:
+    """The model's local folder: the path itself, or a hub name's snapshot already in the cache."""
+    path = Path(model_path)
+    if path.is_dir():
+        return path
+    try:  # a hub name already in the local cache; never downloads
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_path, local_files_only=True))
+    except Exception:
+        return None
+
+
+def checkpoint_layout(model_path: str) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """(HF tensor name -> shape, tie_word_embeddings) read from safetensors headers, no tensor data."""
+    from safetensors import safe_open
+
+    folder = local_model_dir(model_path)
+    if folder is None:
+        return {}, False
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    tied = False
+    config = folder / "config.json"
+    if config.exists():
+        cfg = json.loads(config.read_text())
+        tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings")))
+    return shapes, tied

@@ -1,10 +1,12 @@
 """The agent endpoint hardened (issue 47): a first prompt over `env.token_budget` is refused for its episode
-only; a fixed `env.agent_port` or an unprotected `env.agent_host` is refused at config load; `logprobs` carry
-each token's raw bytes; a tool message must answer a call; `parallel_tool_calls=false` is honoured; the
-harness's requests are logged at DEBUG, not INFO."""
+only; a fixed `env.agent_port` is a port per sampler (a taken one refused at load, a range past 65535 and an
+unprotected `env.agent_host` at config load); `logprobs` carry each token's raw bytes; a tool message must
+answer a call; `parallel_tool_calls=false` is honoured; the harness's requests are logged at DEBUG, not
+INFO."""
 
 import json
 import logging
+import socket
 
 import httpx
 import numpy as np
@@ -12,6 +14,7 @@ import openai
 import pytest
 
 import examples.search_agent as example
+from actors.external.discovery import check_ports
 from actors.external.endpoint import AgentEndpoint
 from configs.schema import ConfigError, load_config
 from tests.external_fixtures import ToolScript, call_text, external_sampler, kb_setup
@@ -88,15 +91,33 @@ def test_a_prompt_over_the_token_budget_is_refused_for_its_episode_only(kb):
 HARNESS = ["env.harness=examples.search_agent:run_episode", "env.protocol=qwen3"]
 
 
-def test_a_fixed_agent_port_needs_one_sampler():
-    with pytest.raises(ConfigError) as err:
-        load_config(overrides=[*HARNESS, "env.agent_port=8123"])  # default: 2 samplers
+def test_a_fixed_agent_port_is_a_range_of_one_port_per_sampler():
+    # sampler i binds env.agent_port + i: 8123 with 2 samplers is 8123..8124 (refused before issue 47 items)
+    two = load_config(overrides=[*HARNESS, "env.agent_port=8123"])  # default: 2 samplers
+    assert (two.env.agent_port, two.sampler.num_samplers) == (8123, 2)
+    with pytest.raises(ConfigError) as err:  # 65535 + 1 is no port
+        load_config(overrides=[*HARNESS, "env.agent_port=65535"])
     line = str(err.value)
-    assert "\n" not in line and line.startswith("env.agent_port = 8123 is invalid")
-    assert "sampler.num_samplers" in line
-    one = load_config(overrides=[*HARNESS, "env.agent_port=8123", "sampler.num_samplers=1"])
-    assert one.env.agent_port == 8123
+    assert "\n" not in line and line.startswith("env.agent_port = 65535 is invalid")
+    assert "P + 1 <= 65535 (sampler i binds P + i)" in line
+    assert load_config(overrides=[*HARNESS, "env.agent_port=65535", "sampler.num_samplers=1"])
     assert load_config(overrides=[*HARNESS, "sampler.num_samplers=4"]).env.agent_port == 0  # a free port each
+
+
+def test_a_taken_port_of_the_range_is_one_line_naming_env_agent_port():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        check_ports("127.0.0.1", port - 1, 1)  # the port below: free (or this test is unlucky)
+        with pytest.raises(ValueError) as err:  # 2 samplers from port - 1: the second one's is taken
+            check_ports("127.0.0.1", port - 1, 2)
+    finally:
+        taken.close()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"env.agent_port = {port - 1}: port {port} on 127.0.0.1")
+    assert line.endswith(f"the run's 2 sampler(s) need {port - 1}..{port} (sampler i binds {port - 1} + i)")
 
 
 def test_an_agent_host_off_loopback_needs_a_token_at_config_load(monkeypatch):

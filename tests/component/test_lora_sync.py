@@ -2,7 +2,8 @@
 model: a LoRA learner publishes lora_A/lora_B alone over the ZeroMQ broadcast, and the HF sampler that merges
 them scores as the merged model does (reference: a plain model loaded with the learner's merged weights,
 built here); a second version replaces the first; an adapter of another base is refused in one line and not
-counted as applied; the bytes are exactly the adapter's; vLLM samplers still get merged weights."""
+counted as applied; the bytes are exactly the adapter's; vLLM samplers get adapters too (merged weights with
+`sampler.engine.enable_lora: false`)."""
 
 import asyncio
 
@@ -131,9 +132,28 @@ def test_adapter_bytes_are_exactly_the_adapters(tok):
     assert full_bytes > 10 * adapter_bytes, (full_bytes, adapter_bytes)
 
 
-def test_vllm_samplers_still_get_merged_weights(tok):
+def test_vllm_samplers_get_adapters_unless_engine_lora_is_off(tok):
     channel = InMemoryWeightChannel()
-    learner = lora_learner(tok, weights=channel, backend="vllm")
+    learner = lora_learner(tok, weights=channel, backend="vllm")  # loaded as vLLM LoRA adapters
     learner.start()
     _, weights = channel.poll()
-    assert not is_adapter(weights) and set(weights) == set(learner.named_weights())
+    assert is_adapter(weights) and set(weights) == set(lora.adapter_state(learner.model))
+    off = {"backend": "vllm", "engine": {"enable_lora": False}}  # the fallback: merged, under base names
+    cfg = config(learner={"lora": {"rank": RANK, "alpha": ALPHA}}, sampler=off, weights={"dtype": "float32"})
+    channel = InMemoryWeightChannel()
+    merged = Learner(build_tiny_model(tok, seed=3), cfg, weights=channel)
+    merged.start()
+    _, weights = channel.poll()
+    assert not is_adapter(weights) and set(weights) == set(merged.named_weights())
+
+
+def test_fingerprint_samples_stay_inside_large_tensors():
+    from system.lora_sync import FINGERPRINT_SAMPLES, sample_indices
+
+    n = 49152 * 576  # SmolLM2 embedding: 28,311,552 > 2**24, where a float32 linspace ended at n
+    idx = sample_indices(n)
+    assert idx.numel() == FINGERPRINT_SAMPLES and int(idx[0]) == 0 and int(idx[-1]) == n - 1
+    assert bool((idx[1:] > idx[:-1]).all())  # strictly increasing: no index read twice
+    assert sample_indices(5).tolist() == [0, 1, 2, 3, 4]  # fewer values than samples: each once
+    # 4096 samples over 8191 values: stride (8191 - 1) / 4095 = 2 exactly, so 0, 2, 4, ..., 8190
+    assert sample_indices(8191).tolist() == list(range(0, 8191, 2))

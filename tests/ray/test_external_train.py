@@ -2,21 +2,27 @@
 endpoint on local Ray (tiny model), 3 steps, then `--resume` trains one more; the store verifies; the
 endpoint's counters reach tensorboard and its requests stay out of the sampler's log (issue 47). A harness
 that fails every episode stops the run with one line naming it (issue 47). An agent in a process of its own
-(examples/remote_agent.py) trains, its side calls stored as linked trees (issue 47)."""
+(examples/remote_agent.py) trains, its side calls stored as linked trees (issue 47). The run's `external/*`
+counters, summed over 2 samplers, reach the step line and summary.json exactly; a batch of B main trees
+carries their side trees; an agent in its own process serves 2 samplers from the run's discovery file."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from storage.metrics import read_scalars
+from actors.external.discovery import ENDPOINTS_FILE, read_endpoints
+from runtime.driver import Driver, start_topology, stop_topology
+from storage.metrics import MemorySink, read_scalars
 from storage.replay_store import ReplayStore
 from storage.store_verify import verify_store
 from tests.cli_runs import ROOT, run_small
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 HARNESS = ("env.harness=examples.search_agent:run_episode", "env.protocol=qwen3", "sampler.num_samplers=1")
@@ -91,3 +97,105 @@ def test_an_agent_in_its_own_process_trains_and_its_side_calls_are_stored_linked
     for t in sides:
         sessions = json.loads(mains[t.meta["episode_tree"]].meta["calls"])
         assert all(x["session"] in sessions and x["segment"] >= 1 for x in json.loads(t.meta["links"]))
+
+
+def external_cfg(run_dir, **extra):
+    from test_train_e2e import small_cfg  # B = 2, M = 2, N = 1, store.eta = 1, 2 samplers
+
+    return small_cfg(run_dir, **{"env.protocol": "qwen3", **extra})
+
+
+def test_the_external_counters_over_two_samplers_reach_the_step_line_and_summary(
+    ray_cluster, tmp_path, tiny_model_dir, capsys
+):
+    """tests/external_fixtures.py:counted_harness does, per tree (prompts_per_request = 1: one tree per
+    sampling call): trunk m1 raises; trunk m0 asks 1 main turn and 1 judge (a side call), sends 1 request with
+    a forged key and posts its reward twice. So with T episode trees stored over the whole run (both
+    samplers, every call: the calls in flight finish before the summary), exactly: episodes 2T, stored T,
+    dropped T (harness_errors T), side_calls T, side_trees T, requests 2T (m0's two chat calls),
+    rejected_requests T, reward_posts 2T, double_rewards T, no_reward 0, and limit_ended = the stored
+    episodes whose main turn was cut (finish "truncated")."""
+    cfg = external_cfg(tmp_path, **{"env.harness": "tests.external_fixtures:counted_harness"})
+    topo = start_topology(cfg, tiny_model_dir)
+    try:
+        driver = Driver(cfg, topo, MemorySink())
+        summary = driver.finish(driver.run(2))
+    finally:
+        stop_topology(topo)
+    assert json.loads((tmp_path / "summary.json").read_text())["external"] == summary["external"]
+    with ReplayStore(tmp_path / "store", create=False, readonly=True) as store:
+        trees = {t.tree_id: t for t in store.get_trees(store.tree_ids())}
+        batches = [store.batch_tree_ids(k) for k in range(2)]
+    mains = [t for t in trees.values() if t.meta["source"] == "external"]
+    T = len(mains)
+    cut = sum(v == "truncated" for t in mains for v in json.loads(t.meta["finish"]).values())
+    assert T >= 2 * 2 and all(t.num_leaves == 1 for t in mains)  # 2 steps of B = 2; m0's leaf only
+    want = {"episodes": 2 * T, "episodes_stored": T, "episodes_dropped": T, "harness_errors": T}
+    want |= {"side_calls": T, "side_trees": T, "requests": 2 * T, "rejected_requests": T}
+    want |= {"reward_posts": 2 * T, "double_rewards": T, "no_reward": 0, "limit_ended": cut, "complete": True}
+    assert {k: summary["external"][k] for k in want} == want
+    assert summary["store"]["side_trees"] == {"total": T, "orphans": 0}
+    # each batch: B = 2 main trees, each with its side tree (side trees take no slot, ride along)
+    for ids in batches:
+        sides = [trees[i] for i in ids if trees[i].meta["source"] == "external-side"]
+        assert len(ids) - len(sides) == 2 and sorted(t.meta["episode_tree"] for t in sides) == sorted(
+            i for i in ids if trees[i].meta["source"] == "external"
+        )
+    # the step line (no progress bar): every snapshot is of whole calls, so episodes = 2·side calls = 2·drops
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    counts = [re.search(r", ext (\d+)ep (\d+)side (\d+)drop$", x) for x in lines]
+    assert len(lines) == 2 and all(c and int(c[1]) == 2 * int(c[2]) == 2 * int(c[3]) for c in counts), lines
+    for i in (0, 1):  # the harness's requests are logged at DEBUG (httpx's INFO line demoted), not INFO
+        assert "HTTP Request" not in (tmp_path / "logs" / f"sampler-{i}.log").read_text()
+
+
+def free_range(n: int) -> int:
+    """A port P with P .. P + n - 1 free on loopback (now)."""
+    for _ in range(50):
+        port = free_port()
+        socks = []
+        try:
+            for p in range(port, port + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} free ports in a row")
+
+
+def test_an_agent_in_its_own_process_serves_two_samplers_from_the_discovery_file(
+    ray_cluster, tmp_path, tiny_model_dir
+):
+    """env.agent_port = P with 2 samplers: sampler i binds P + i (refused before: one sampler only), both
+    listed in RUN_DIR/agent_endpoints.json; examples/remote_agent.py --run-dir serves both."""
+    port = free_range(2)
+    queued = {"env.harness": "actors.external.remote:queued", "env.agent_port": port}
+    cfg = external_cfg(tmp_path, **queued, **{"env.harness_timeout_s": 60})
+    topo = start_topology(cfg, tiny_model_dir)
+    agent = [sys.executable, "examples/remote_agent.py", "--run-dir", str(tmp_path), "--idle-exit-s", "60"]
+    proc = subprocess.Popen(agent, cwd=ROOT)
+    try:
+        listed = wait_until(lambda: len(read_endpoints(tmp_path / ENDPOINTS_FILE)) == 2, timeout_s=300)
+        endpoints = read_endpoints(tmp_path / ENDPOINTS_FILE)
+        assert listed and endpoints == [
+            {"sampler": 0, "base_url": f"http://127.0.0.1:{port}/v1"},
+            {"sampler": 1, "base_url": f"http://127.0.0.1:{port + 1}/v1"},
+        ]
+        driver = Driver(cfg, topo, MemorySink())
+        driver.run(2)
+        assert driver.drain_samplers(300)  # both samplers' first calls (admitted at once) are committed
+    finally:
+        stop_topology(topo)
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert read_endpoints(tmp_path / ENDPOINTS_FILE) == []  # each sampler withdrew its entry on close
+    with ReplayStore(tmp_path / "store", create=False, readonly=True) as store:
+        trees = store.get_trees(store.tree_ids())
+    mains = [t for t in trees if t.meta["source"] == "external"]
+    # every episode was the agent's (the queued harness waits for it): trees of both samplers' endpoints
+    assert {t.tree_id.split("-")[0] for t in mains} == {"s0", "s1"}
+    assert verify_store(tmp_path / "store").ok
