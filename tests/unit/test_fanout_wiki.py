@@ -77,3 +77,18 @@ def test_written_files_read_back_as_multihop_qa(tmp_path):
 def test_a_missing_package_is_one_line():
     with pytest.raises(FanoutWikiError, match="package 'no_such_pkg_xyz' is not installed"):
         package_file("no_such_pkg_xyz", "data/x.json")
+
+
+def test_the_real_demo_config_loads_and_a_missing_package_model_is_one_line():
+    from configs.schema import load_config
+    from runtime.model_setup import ModelPathError, check_model_path
+
+    cfg = load_config("configs/real_smollm2.yaml", [])
+    assert (cfg.env.name, cfg.env.protocol, cfg.learner.lora.rank, cfg.algo.method) == (
+        "multihop_qa",
+        "plain",
+        16,
+        "treeopsd",
+    )
+    with pytest.raises(ModelPathError, match=r"^model.path = 'pkg:no_such_pkg_xyz/m.gguf': package"):
+        check_model_path("pkg:no_such_pkg_xyz/m.gguf")
