@@ -9,7 +9,7 @@ tokenizer, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it. OUT appears 
 folder, fsync, rename); an existing OUT is refused.
 
 A LoRA run's checkpoint (meta "lora", its adapter in lora.safetensors) gives both: OUT, the merged model as
-above, and the adapter as a PEFT-format folder (system/lora_peft.py: adapter_config.json naming the run's
+above, and the adapter as a PEFT-format folder (storage/lora_peft.py: adapter_config.json naming the run's
 `model.path` as base_model_name_or_path and the target modules, adapter_model.safetensors), which PEFT and
 vLLM's LoRA loader read over the base: OUT/adapter, or `--adapter-out DIR` (written whole or not at all).
 """
@@ -117,8 +117,8 @@ def checkpoint_adapter(ckpt: Any) -> tuple[dict[str, Any], dict[str, Any]] | Non
 
 
 def write_adapter(folder: Path, adapter: tuple[dict, dict], dtype: Any, base_model: str | None) -> Path:
-    """The adapter as a PEFT folder (system/lora_peft.py), its tensors in `dtype`."""
-    from system.lora_peft import write_peft
+    """The adapter as a PEFT folder (storage/lora_peft.py), its tensors in `dtype`."""
+    from storage.lora_peft import write_peft
 
     tensors, meta = adapter
     rank = int(meta["rank"])

@@ -11,7 +11,7 @@ chunks, checksums, no pickle), with the header's "meta" saying what they are::
 A sampler merges W = W_base + scaling·B·A into each layer's weight, from an untouched copy of W_base, so a
 version replaces the last one and never adds to it; it refuses an adapter whose base fingerprint is not its
 own model's. A vLLM sampler loads each version as a vLLM LoRA adapter of its own instead (a PEFT folder,
-system/lora_peft.py). Version 0 is the adapter too (B = 0: the sampler's own base, checked there already).
+storage/lora_peft.py). Version 0 is the adapter too (B = 0: the sampler's own base, checked there already).
 """
 
 from __future__ import annotations

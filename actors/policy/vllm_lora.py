@@ -9,7 +9,7 @@ learner's, `max_loras` 2 (a batch may mix the adapter being drained and the new 
 
 How an adapter gets in: vLLM loads adapters from a PEFT folder only (`LoRARequest.lora_path`; no tensor
 API in 0.32), so `stage` (in a worker thread, while turns still run) checks the adapter and writes it as
-a PEFT folder in tmpfs (system/lora_peft.py; an adapter is small: 45 KB for the tiny test model, a few MB
+a PEFT folder in tmpfs (storage/lora_peft.py; an adapter is small: 45 KB for the tiny test model, a few MB
 at rank 8 on a 1B model); `load` (between turns, the weight gate's pause) asks the engine to `add_lora`,
 which returns once every worker has loaded it: only then is the version the sampler's (`version` set, the
 weight gate counts it applied). A refused adapter (another base, another layer set, a rank above the
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from actors.policy.vllm_weights import local_model_dir, tmpfs_dir
-from system.lora_peft import remove_peft, write_peft
+from storage.lora_peft import remove_peft, write_peft
 from system.lora_sync import AdapterMismatch, adapter_layers, fingerprint_of, sampled
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Our LoRA adapter as a PEFT folder (system/lora_peft.py), the vLLM sampler's adapter bookkeeping without
+"""Our LoRA adapter as a PEFT folder (storage/lora_peft.py), the vLLM sampler's adapter bookkeeping without
 an engine (actors/policy/vllm_lora.py: base fingerprint from the checkpoint's files, release of an adapter
 after its last request, refusals) and `treeopsd export` of a LoRA run (merged folder and PEFT adapter), on
 the tiny Qwen2 model of the learner tests."""
@@ -21,7 +21,7 @@ from configs.lora import PROJECTIONS, LoraConfig
 from launch.cli import main
 from learner import lora
 from learner.learner import Learner
-from system.lora_peft import read_peft, write_peft
+from storage.lora_peft import read_peft, write_peft
 from system.lora_sync import AdapterMismatch, adapter_message, fingerprint_of
 
 torch.set_num_threads(1)

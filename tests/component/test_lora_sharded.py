@@ -88,10 +88,20 @@ def sharded(tmp_path_factory, tiny_model_dir):
     published1 = lora.published_weights(ref.model, cfg, ref.named_weights)
     stats2 = ref.step(second)
     return SimpleNamespace(
-        tmp=tmp, cfg=cfg, model_dir=tiny_model_dir, ranks=ranks, ref=ref, base=snapshot(plain), plain=plain,
-        second=second, stats=(stats1, stats2), init=init, state1=state1, state2=snapshot(ref.model),
+        tmp=tmp,
+        cfg=cfg,
+        model_dir=tiny_model_dir,
+        ranks=ranks,
+        ref=ref,
+        base=snapshot(plain),
+        plain=plain,
+        second=second,
+        stats=(stats1, stats2),
+        init=init,
+        state1=state1,
+        state2=snapshot(ref.model),
         published1=published1,
-    )  # fmt: skip
+    )
 
 
 def test_two_lora_ranks_train_and_publish_the_one_rank_step(sharded):
@@ -146,8 +156,13 @@ def test_lora_dcp_checkpoint_resumes_exactly_on_two_ranks_and_on_one(sharded):
     ckpt = load_latest(s.tmp / "run")
     assert ckpt.step == 1 and ckpt.meta["format"] == 2 and ckpt.meta["ranks"] == 2
     fingerprint = lora.base_fingerprint(s.plain)
-    assert ckpt.meta["lora"] == {"base_fingerprint": fingerprint, "rank": RANK, "alpha": ALPHA,
-                                 "dropout": 0.0, "layers": 14}  # fmt: skip
+    assert ckpt.meta["lora"] == {
+        "base_fingerprint": fingerprint,
+        "rank": RANK,
+        "alpha": ALPHA,
+        "dropout": 0.0,
+        "layers": 14,
+    }
     kept = full_model_tensors(ckpt)  # the checkpoint's model, what export reads: the merged weights
     want = merged(first)
     assert kept.keys() == want.keys() and rel_gap(kept, want) <= 1e-6
