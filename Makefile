@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme clean
+.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme node-drill clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 	bash launch/setup_venv.sh $(VENV)
 	touch $(STAMP)
 
+# Two pytest lanes side by side (tools/test_lanes.py): single-process tests beside the Ray/vLLM ones.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) tools/test_lanes.py $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not ray and not vllm" $(PYTEST_ARGS)
@@ -99,6 +100,15 @@ staleness-table-quick: $(STAMP)
 offpolicy-table: $(STAMP)
 	$(PY) -m experiments.offpolicy_bias configs/offpolicy_table.yaml --out benchmarks/results
 	$(VENV)/bin/treeopsd experiment configs/offpolicy_table.yaml --jobs 2
+
+# Whole nodes lost mid-run (docs/design.md §14, the node drill): a fake 3-node Ray cluster on this machine,
+# the samplers' node killed at step 3, the store's at 7 and the learner's at 11 of 16;
+# report: runs/node-drill/drill.json.
+NODE_DRILL_DIR ?= runs/node-drill
+node-drill: $(STAMP)
+	rm -rf $(NODE_DRILL_DIR)
+	$(VENV)/bin/treeopsd drill --nodes 3 --kill-node sampler@3,store@7,learner@11 --steps 16 \
+	  --run-dir $(NODE_DRILL_DIR) --timeout-min 20
 
 # The results blocks of README.md and docs/*.md from benchmarks/results/*.md (a test fails when they drift
 # apart).

@@ -25,14 +25,13 @@ gate between turns, the lockstep loop between rounds of turns.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -44,9 +43,12 @@ from actors.turn_server import BatchedTurns, as_turn_server
 from actors.weight_gate import WeightGate, WeightPoller, load_version
 from system.interfaces import StoreClient, StoreUnavailable, WeightSink
 from system.policy import PolicyBackend, TurnServer
+from system.roles import Closeable, Counters
 from system.staleness import cut_turns
 from system.tree import RolloutTree
 from system.tree_build import TreeBuilder, plan_anchors
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,7 @@ class TreeSampler:
         while self.poller is not None:
             got = self.poller.poll(poll_ms)
             if got is not None and got[0] > self.version():
-                run = getattr(self.backend, "run_async", None) or asyncio.run  # vLLM: on the engine's loop
-                run(load_version(self._turn_server(), got[0], got[1], self.stats))
+                self.run_async(load_version(self.turn_server(), got[0], got[1], self.stats))
             if self.version() >= min_version or time.perf_counter() - t0 >= wait_s:
                 break
             poll_ms = 100
@@ -202,8 +203,9 @@ class TreeSampler:
 
     def get_metrics(self) -> dict[str, float]:
         stats = dict(self.stats)
-        stats.update(getattr(self.env, "metrics", dict)())  # e.g. env/retrieval_errors (a retrieval service)
-        stats.update(getattr(self.weights, "metrics", dict)())  # e.g. weights/rejected (the subscriber)
+        stats.update(self.env.metrics())  # e.g. env/retrieval_errors (a retrieval service)
+        if isinstance(self.weights, Counters):  # e.g. weights/rejected (the subscriber; no in-memory sink)
+            stats.update(self.weights.metrics())
         if self.external is not None:  # e.g. external/rejected_requests (the agent endpoint)
             stats.update(self.external.metrics())
         stats["sampler/version"] = float(self.version())
@@ -227,8 +229,7 @@ class TreeSampler:
         seeds = rng.integers(1 << 62, size=len(tasks))  # one generator per tree: any loop order, same tree
         plans = [self._plan(t, i, int(s)) for t, i, s in zip(tasks, ids, seeds, strict=True)]
         if self.loop == "async":
-            run = getattr(self.backend, "run_async", None) or asyncio.run  # vLLM: on the engine's loop
-            run(_grow_all(self._episode_runner(), plans, self._expand))
+            self.run_async(_grow_all(self._episode_runner(), plans, self._expand))
         else:
             self._lockstep(plans)
         trees = [self._finish(p) for p in plans]
@@ -253,11 +254,10 @@ class TreeSampler:
         for p in plans:
             p.branches = self._expand(p)
         self._run([e for p in plans for e in p.branches])
-        if hasattr(self.backend, "evict"):  # free the per-episode KV caches (HF backend)
-            self.backend.evict(*(e.key for p in plans for e in p.episodes))
+        self.backend.evict(*(e.key for p in plans for e in p.episodes))  # e.g. the HF backend's KV caches
 
     def _episode_runner(self) -> EpisodeRunner:
-        server = self._turn_server()
+        server = self.turn_server()
         gate = WeightGate(server, self.poller, self.stats)
         return EpisodeRunner(
             server,
@@ -270,10 +270,16 @@ class TreeSampler:
             stats=self.stats,
         )
 
-    def _turn_server(self) -> TurnServer:
+    # ---- the backend as the asynchronous loops see it (the own loop, external trees: SamplerRole) ----
+    def turn_server(self) -> TurnServer:
+        """The backend as a TurnServer (one for the sampler's life: BatchedTurns keeps its thread)."""
         if self._server is None:
             self._server = as_turn_server(self.backend)
         return self._server
+
+    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs a coroutine over the turn server to its end, on the loop it needs (vLLM: the engine's)."""
+        return self.turn_server().run_async(coro)
 
     def _tool_pool(self) -> ThreadPoolExecutor | None:
         """None: tool calls run on the event loop (`inline_tools`). Otherwise a pool, because a tool that
@@ -327,8 +333,8 @@ class TreeSampler:
             self._tools.shutdown()
         if self.poller is not None:
             self.poller.close()
-        if callable(closer := getattr(self.weights, "close", None)):
-            closer()  # the subscriber's socket
+        if isinstance(self.weights, Closeable):
+            self.weights.close()  # the subscriber's socket
         if isinstance(self._server, BatchedTurns):
             self._server.close()
         self.backend.close()

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from system.policy import PolicyBackend, SampleRequest, SampleResult, TurnServer
+
+T = TypeVar("T")
 
 
 class BatchedTurns:
@@ -62,21 +65,28 @@ class BatchedTurns:
                 if not fut.done():
                     fut.set_result(res)
 
+    async def prepare_weights(self, named_tensors: Any) -> Any:
+        """Nothing to stage ahead: `load_weights` copies the tensors in place itself."""
+        return named_tensors
+
     async def apply_weights(self, named_tensors: Any, version: int) -> None:
         load = functools.partial(self.backend.load_weights, named_tensors, version=version)
         await asyncio.get_running_loop().run_in_executor(self._pool, load)
 
     async def release(self, *keys: str) -> None:
-        evict = getattr(self.backend, "evict", None)  # the HF backend's per-episode KV caches
-        if evict is not None and keys:
-            await asyncio.get_running_loop().run_in_executor(self._pool, evict, *keys)
+        if keys:  # e.g. the HF backend's per-episode KV caches
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.backend.evict, *keys)
+
+    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """A fresh event loop per call: the backend itself runs in the worker thread, not on any loop."""
+        return asyncio.run(coro)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def as_turn_server(backend: Any) -> TurnServer:
-    """The backend itself when it serves turns (vLLM), else BatchedTurns over it."""
-    if callable(getattr(backend, "generate_turn", None)):
-        return backend  # type: ignore[no-any-return]
+def as_turn_server(backend: PolicyBackend | TurnServer) -> TurnServer:
+    """The backend itself when it is a TurnServer (vLLM: its own async engine), else BatchedTurns over it."""
+    if isinstance(backend, TurnServer):
+        return backend
     return BatchedTurns(backend)

@@ -147,9 +147,8 @@ class WeightGate:
                 await asyncio.shield(self._applying)  # stop() never cuts a load in half
 
     async def apply(self, version: int, tensors: Any) -> None:
-        prepare = getattr(self.server, "prepare_weights", None)
-        if prepare is not None:  # vLLM: checked and staged while turns still run, so the pause is the load
-            tensors = await prepare(tensors)
+        # vLLM: checked and staged while turns still run, so the pause is the load (BatchedTurns: as is)
+        tensors = await self.server.prepare_weights(tensors)
         t0 = time.perf_counter()
         self._open.clear()
         self.due.set()

@@ -22,6 +22,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from faults.processes import MemoryWatch, kill_role
 ROOT = Path(__file__).resolve().parents[1]  # the child runs `python -m launch.cli` from here
 POLL_S = 0.2
 STOP_GRACE_S = 120.0  # after a SIGTERM past the deadline: the step in flight and the checkpoint
+STDERR_TAIL_LINES = 40  # the child's last stderr lines a campaign keeps (a stop's one line is among them)
+Killer = Callable[[str, random.Random, int], int | None]  # (role, rng, child pid) -> the pid killed
 
 
 class Schedule(Protocol):
@@ -141,13 +144,17 @@ class CampaignRun:
     kills: list[tuple[Any, str, int]] = field(default_factory=list)  # (where, role, pid), in order
     memory: MemoryWatch | None = None
     wall_s: float = 0.0
+    stderr_tail: list[str] = field(default_factory=list)  # the child's last lines on stderr
 
 
 class _Watch:
     """One campaign's state while its child runs: polled every POLL_S by `run_campaign`."""
 
-    def __init__(self, child: subprocess.Popen[bytes], run_dir: Path, schedule: Schedule, name: str) -> None:
+    def __init__(
+        self, child: subprocess.Popen[bytes], run_dir: Path, schedule: Schedule, name: str, kill: Killer
+    ) -> None:
         self.child, self.store_dir, self.schedule, self.name = child, run_dir / "store", schedule, name
+        self.kill_one = kill
         self.t0: float | None = None  # when the first batch was handed out: the schedule's clock
         self.stopping = False
         self.next_sample = 0.0
@@ -181,7 +188,7 @@ class _Watch:
     def kill(self, at: Any, roles: list[str]) -> tuple[Any, str, int] | None:
         """SIGKILLs one process of the first of `roles` that has one now; (at, role, pid), or None."""
         for role in roles:
-            victim = kill_role(role, self.schedule.rng, self.child.pid)
+            victim = self.kill_one(role, self.schedule.rng, self.child.pid)
             if victim is not None:
                 return at, role, victim
         return None
@@ -200,6 +207,22 @@ def _end(child: subprocess.Popen[bytes], deadline: float) -> int:
         return child.wait()
 
 
+def _tee_stderr(child: subprocess.Popen[bytes], tail: list[str]) -> threading.Thread:
+    """Copies the child's stderr to ours as it comes, keeping its last STDERR_TAIL_LINES lines in `tail`."""
+
+    def pump() -> None:
+        assert child.stderr is not None
+        for raw in child.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.flush()
+            tail.append(raw.decode(errors="replace").rstrip("\n"))
+            del tail[:-STDERR_TAIL_LINES]
+
+    thread = threading.Thread(target=pump, name="campaign-stderr", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_campaign(
     cmd: list[str],
     run_dir: Path,
@@ -207,23 +230,34 @@ def run_campaign(
     timeout_s: float,
     memory_every_s: float | None = None,
     name: str = "campaign",
+    ray_address: str | None = None,
+    kill: Killer = kill_role,
+    on_poll: Callable[[], None] | None = None,
 ) -> CampaignRun:
-    """Runs `cmd` (a training run writing `run_dir`) as a child on local Ray (RAY_ADDRESS dropped: kills by
-    pid stay inside its own instance), kills per `schedule`, samples memory every `memory_every_s`, and
-    waits for it to end; its exit status, the kills done, the memory watch, the wall time."""
+    """Runs `cmd` (a training run writing `run_dir`) as a child, kills per `schedule` (one process of a role
+    by pid with the default `kill`), samples memory every `memory_every_s`, and waits for it to end; its exit
+    status, the kills done, the memory watch, the wall time, its last stderr lines. Without `ray_address` the
+    child runs on a local Ray of its own (RAY_ADDRESS dropped: kills by pid stay inside its own instance);
+    with it, the child joins that cluster (the node drill's, faults/nodes.py). `on_poll` runs at every poll
+    (the node drill adds replacement nodes there)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_ADDRESS": ray_address} if ray_address else {}
     t_start = time.monotonic()
-    child = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    child = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE)
     got = CampaignRun(0, memory=None if memory_every_s is None else MemoryWatch(child.pid))
-    watch, deadline = _Watch(child, run_dir, schedule, name), t_start + timeout_s
+    tee = _tee_stderr(child, got.stderr_tail)
+    watch, deadline = _Watch(child, run_dir, schedule, name, kill), t_start + timeout_s
     try:
         while child.poll() is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
             watch.poll(got, memory_every_s)
+            if on_poll is not None:
+                on_poll()
         got.returncode = _end(child, deadline)
     finally:
         if child.poll() is None:  # interrupted here: the run is not left behind
             child.kill()
+    tee.join(timeout=10)
     got.wall_s = round(time.monotonic() - t_start, 1)
     return got
 

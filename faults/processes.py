@@ -69,6 +69,34 @@ def role_processes(root_pid: int | None = None) -> dict[str, list[int]]:
     return out
 
 
+def process_tree(root_pid: int) -> list[int]:
+    """`root_pid` and every live process descending from it (a fake node's raylet: the node's agents and
+    workers), parents before children; zombies (dead, not yet reaped) are left out."""
+    table, out = _proc_table(), []
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    todo = [root_pid] if root_pid in table else []
+    while todo:
+        pid = todo.pop(0)
+        if not _is_zombie(pid):
+            out.append(pid)
+        todo += sorted(children.get(pid, []))
+    return out
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of `pids` that still run (neither gone nor a zombie)."""
+    return [p for p in pids if Path(f"/proc/{p}").exists() and not _is_zombie(p)]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone: as dead as a zombie
+
+
 def kill_role(role: str, rng: random.Random, root_pid: int | None = None) -> int | None:
     """SIGKILLs one process of `role` (picked by `rng`); its pid, or None when the role has none now."""
     pids = sorted(role_processes(root_pid)[role])

@@ -38,15 +38,7 @@ import torch
 from torch import nn
 
 from configs.schema import Config
-from learner.device import (
-    adamw,
-    attention_for,
-    compute_scope,
-    learner_device,
-    learner_sampling,
-    prepare_model,
-    warmup_lr,
-)
+from learner.device import adamw, attention_for, compute_scope, learner_device, learner_sampling, warmup_lr
 from learner.diagnostics import (
     combine_microbatches,
     microbatch_stats,
@@ -54,23 +46,16 @@ from learner.diagnostics import (
     padding_stats,
     summarize_minibatches,
 )
-from learner.flex_attention import bucket_length, compiled_graphs
+from learner.flex_attention import compiled_graphs
 from learner.forward import attention_scope, token_logprobs
-from learner.lora import published_weights, restore_with_adapter, save_with_adapter, served_parameters
+from learner.lora import published_weights
 from learner.methods import METHODS
-from learner.minibatch import (
-    MinibatchTargets,
-    loss_reference,
-    minibatch_targets,
-    pack_microbatch,
-    plan_microbatches,
-    weighted_tokens,
-)
+from learner.minibatch import MinibatchTargets, loss_reference, weighted_tokens
 from learner.packing import PackedBatch
+from learner.parallel_plan import Padding, ParallelPlan, Pass, SingleProcess
 from learner.reference_pass import reference_pass
-from storage.checkpoint import Checkpoint, checkpoint_bytes, checkpointed_metrics, load_latest
-from system.credit import is_zero_variance, no_signal_stats
-from system.depth_correction import depth_weights
+from learner.step_plan import micro_inputs, minibatch_groups, select_trees, selection_stats, step_targets
+from storage.checkpoint import Checkpoint, checkpoint_bytes, checkpointed_metrics
 from system.interfaces import StoreClient, WeightSource
 from system.microbatch import Piece
 from system.staleness import batch_metrics, version_lags
@@ -85,10 +70,10 @@ class Learner:
     (CUDA); "mask", one padded row per tree with the dense 4D float mask through the model's own eager/sdpa
     (the reference). `learner.packed_forward` picks trees vs root-to-leaf sequences; all give the same
     losses and gradients up to float rounding. The model moves to the learner's device (learner/device.py).
-    """
 
-    # one process: safetensors + optimizer (storage/checkpoint.py; LoRA: + the adapter); ShardedLearner: DCP
-    write_checkpoint = staticmethod(save_with_adapter)
+    parallel (None: `SingleProcess`): how the learner spreads over processes (learner/parallel_plan.py); the
+    FSDP2 ranks' plan is learner/sharded.py's `Fsdp2Ranks`. The loop below is the same for every plan.
+    """
 
     def __init__(
         self,
@@ -100,9 +85,11 @@ class Learner:
         store: StoreClient | None = None,
         weights: WeightSource | None = None,
         tokenizer: Any = None,
+        parallel: ParallelPlan | None = None,
     ):
         self.device, self.cfg = learner_device(cfg), cfg
-        self.model = self._place_model(model)
+        self.parallel: ParallelPlan = parallel or SingleProcess()
+        self.model = self.parallel.place(model, cfg, self.device)  # learner/parallel_plan.py (FSDP2: sharded)
         self.attention = attention or attention_for(cfg, self.device)
         self.store, self.weights, self.tokenizer = store, weights, tokenizer
         self.method = METHODS[cfg.algo.method]  # its advantages, normalizer and loss (learner/methods.py)
@@ -130,7 +117,7 @@ class Learner:
         """Take a batch → train → publish → checkpoint. None (after `idle_sleep_s`) when B credited trees are
         not there yet."""
         t0 = time.perf_counter()
-        batch_index, trees = self._take_batch()
+        batch_index, trees = self.parallel.take_batch(self.store, self.cfg.learner.batch_trees)
         if trees is None:
             time.sleep(idle_sleep_s)  # back off instead of spinning a remote store
             self.wait_s += time.perf_counter() - t0
@@ -158,16 +145,15 @@ class Learner:
         from step k, and step k is logged from there (else its batch would be trained but never logged)."""
         return self.last_metrics
 
-    def _take_batch(self) -> tuple[int, list[RolloutTree] | None]:
-        """(k, batch k): k = the store's watermark, the id take_batch records this batch under."""
-        assert self.store is not None, "train_step needs a store (Learner(..., store=...))"
-        return self.store.watermark(), self.store.take_batch(self.cfg.learner.batch_trees)
-
     def _publish(self) -> float:
-        t0 = time.perf_counter()
-        if self.weights is not None:
-            self.weights.publish(published_weights(self.model, self.cfg, self.named_weights), self.version)
-        if self.store is not None:
+        """The weights to the weight source, the version to the store: by the leading process alone, after
+        every process joined the weights' gather where the plan's is a collective."""
+        t0, leader = time.perf_counter(), self.parallel.is_leader
+        if self.weights is not None or self.parallel.weights_are_collective:
+            weights = published_weights(self.model, self.cfg, self.named_weights)  # LoRA: the adapter
+            if leader and self.weights is not None:
+                self.weights.publish(weights, self.version)
+        if leader and self.store is not None:
             self.store.set_learner_version(self.version)
         return time.perf_counter() - t0
 
@@ -176,7 +162,7 @@ class Learner:
         return lags
 
     def progress(self) -> dict[str, int]:
-        return {"step": self.version, "version": self.version}
+        return {"step": self.version, "version": self.version, **self.parallel.progress()}  # ranks: + "rank"
 
     def endpoint(self) -> tuple[str, bytes | None]:
         """Where the samplers subscribe: the weight publisher's address and public key."""
@@ -188,6 +174,7 @@ class Learner:
     def stop(self) -> None:
         if callable(close := getattr(self.weights, "close", None)):
             close()
+        self.parallel.stop()  # ranks: the process group goes
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
@@ -215,7 +202,8 @@ class Learner:
                 per_mb.append(self._optimizer_step(parts))
         self.version += 1
         stats.update(summarize_minibatches(per_mb))
-        stats["learner/microbatches"] = float(sum(len(micro) for micro in batches))
+        real = float(sum(isinstance(p, PackedBatch) for micro in batches for p in micro))
+        (stats["learner/microbatches"],) = self.parallel.sum_over_ranks([real])  # every rank's, no padding
         stats.update({"learner/step_s": time.perf_counter() - t0, "learner/version": float(self.version)})
         stats["learner/lr"] = float(self.optimizer.param_groups[0]["lr"])
         stats["learner/compiles"] = float(compiled_graphs())
@@ -223,113 +211,82 @@ class Learner:
 
     def _prepare(
         self, trees: Sequence[RolloutTree]
-    ) -> tuple[list[list[PackedBatch]], list[MinibatchTargets], dict[str, float]]:
+    ) -> tuple[list[list[Pass]], list[MinibatchTargets], dict[str, float]]:
         """The step's micro-batches (μ recomputed or π_prox attached by one no-grad scoring pass where asked),
         their targets, and the batch's selection and padding stats."""
-        kept = self._select(trees)
-        stats: dict[str, float] = {
-            "learner/trees": float(len(kept)),
-            "learner/dropped_trees": float(len(trees) - len(kept)),
-        }
-        stats.update(no_signal_stats(trees))
+        kept = select_trees(self.cfg.algo, self.method, trees, self.version)
+        stats = selection_stats(trees, kept)
         batches, targets = self.plan(trees)
         if self.cfg.algo.behavior_logprobs == "recompute" or self.proximal:  # one no-grad scoring pass
-            scores, ranks = self._scored(batches), self._all_ranks
+            scores, ranks = self._scored(batches), self.parallel.all_ranks
             batches = reference_pass(self.cfg.algo, batches, scores, self.version, ranks, stats)
         real = [p for micro in batches for p in micro if isinstance(p, PackedBatch)]  # no padding passes
-        bad, total = np.sum(self._all_ranks(nonfinite_turns(real)), axis=0)  # over every rank
+        bad, total = np.sum(self.parallel.all_ranks(nonfinite_turns(real)), axis=0)  # over every rank
         check_nonfinite_fraction(int(bad), int(total), self.cfg.algo.nonfinite_turn_limit)  # §10: refused
         stats.update(padding_stats([p for micro in batches for p in micro]))
         return batches, targets, stats
 
-    def _select(self, trees: Sequence[RolloutTree]) -> list[RolloutTree]:
-        algo = self.cfg.algo
-        if self.method.needs_credit and any(t.credit is None for t in trees):
-            raise ValueError(f"{algo.method} needs credited trees (tree.credit from the backup actor)")
-        if algo.behavior_logprobs == "recompute":  # μ recomputed here is π at this version: it must be theirs
-            stale = [t.tree_id for t in trees if (t.versions != self.version).any()]
-            if stale:
-                raise ValueError(
-                    f"algo.behavior_logprobs=recompute: trees {stale[:3]} hold turns sampled by another "
-                    f"version than the learner's {self.version}; recompute needs run.mode=sync"
-                )
-        drop = algo.zero_var_trees == "drop" or self.method.skips_flat_trees(algo)
-        return [t for t in trees if not (drop and is_zero_variance(t))]
-
-    def _split(self, n: int) -> list[list[int]]:
-        """Whole trees per mini-batch; the order depends only on (seed, version): a resumed run repeats it."""
-        rng = np.random.default_rng([self.cfg.run.seed, self.version])
-        order = rng.permutation(n)
-        return [g.tolist() for g in np.array_split(order, self.cfg.learner.minibatches) if len(g)]
-
-    def _targets(self, kept: list[RolloutTree], groups: list[list[int]]) -> list[MinibatchTargets]:
-        """Per mini-batch, Z and the per-tree advantages and weights its micro-batches read
-        (learner/minibatch.py). TreePO's Â is whitened over every path token of the whole rollout batch."""
-        algo = self.cfg.algo
-        adv = self.method.leaf_advantages(kept)  # over the whole batch (TreePO whitens over all of it)
-        weights = depth_weights(kept, algo.expected_cost) if algo.depth_correction else None
-        return [
-            minibatch_targets(
-                algo.method,
-                [kept[i] for i in g],
-                None if adv is None else [adv[i] for i in g],
-                None if weights is None else [weights[i] for i in g],
-            )
-            for g in groups
-        ]
-
-    def _pack(self, trees: list[RolloutTree]) -> list[PackedBatch]:
-        """One mini-batch as its token-budget micro-batches, on the learner's device."""
+    def _pack(self, trees: list[RolloutTree]) -> list[Pass]:
+        """This process's passes of one mini-batch, on the learner's device: its token-budget micro-batches,
+        then the plan's padding passes (one rank: none)."""
         lc = self.cfg.learner
-        plan = plan_microbatches(trees, lc.max_tokens_per_microbatch, lc.packed_forward)
-        return [self._inputs(trees, m) for m in plan]
+        share = self.parallel.share(trees, lc.max_tokens_per_microbatch, lc.packed_forward)
+        passes: list[Pass] = [self._inputs(trees, m) for m in share.micro]
+        if share.padding_piece is not None:
+            passes += [Padding(self._inputs(trees, [share.padding_piece]))] * share.padding
+        return passes
 
     def _inputs(self, trees: list[RolloutTree], micro: Sequence[Piece]) -> PackedBatch:
-        """One micro-batch's model inputs on the learner's device: one unpadded row unless the mask is
-        materialized; for flex, padded to its length bucket (learner/flex_attention.py)."""
-        lc = self.cfg.learner
-        full, concat = self.method.trains_paths, self.attention != "mask"
-        packed = pack_microbatch(trees, micro, lc.packed_forward, full, concat)
-        if self.attention == "flex":
-            length = bucket_length(packed.input_ids.shape[1], lc.max_tokens_per_microbatch)
-            packed = packed.padded_to(length)
-        return packed.to(self.device)
+        lc, full = self.cfg.learner, self.method.trains_paths
+        return micro_inputs(trees, micro, lc, full, self.attention).to(self.device)
 
     @property
     def proximal(self) -> bool:
         return self.cfg.algo.proximal == "step_start"
 
-    def _scored(self, batches: list[list[PackedBatch]]) -> list[list[torch.Tensor | None]]:
-        """Every micro-batch's log-probs at the weights held now (no grad); the sharded learner's padding
-        passes score None."""
+    def _scored(self, batches: list[list[Pass]]) -> list[list[torch.Tensor | None]]:
+        """Every micro-batch's log-probs at the weights held now (no grad); a padding pass forwards too (every
+        rank joins each all-gather) and scores None."""
         with torch.no_grad():
-            return [[self.logprobs(packed) for packed in micro] for micro in batches]
+            return [[self._score_pass(p) for p in micro] for micro in batches]
 
-    def _all_ranks(self, value: Any) -> list[Any]:
-        """`value` from every rank (one here; the sharded learner gathers)."""
-        return [value]
+    def _score_pass(self, p: Pass) -> torch.Tensor | None:
+        if isinstance(p, Padding):
+            self.logprobs(p.packed)
+            return None
+        return self.logprobs(p)
 
-    # ---- one mini-batch: what the sharded learner does differently ------------------------------------
-    def _passes(self, micro: list[PackedBatch]) -> Iterator[PackedBatch]:
-        """The micro-batches this process runs forward and backward (the sharded learner's padding passes
-        join the collectives and are left out)."""
-        return iter(micro)
+    # ---- one mini-batch -------------------------------------------------------------------------------
+    def _passes(self, micro: list[Pass]) -> Iterator[PackedBatch]:
+        """The micro-batches this process runs forward and backward; a padding pass joins the collectives
+        here, in its place, and is not yielded (one process has none: learner/parallel_plan.py)."""
+        for p in micro:
+            if isinstance(p, Padding):
+                self._join(p.packed)
+            else:
+                yield p
+
+    def _join(self, packed: PackedBatch) -> None:
+        """A padding pass: the forward's all-gathers and the backward's reduce-scatters, zero gradient."""
+        with attention_scope(self.model, packed, self.attention):
+            logp = self.logprobs(packed)
+            (torch.nan_to_num(logp).sum() * 0.0).backward()
 
     def _optimizer_step(self, parts: list[dict[str, Any]]) -> dict[str, float]:
         """The clipped AdamW step after the mini-batch's backward passes (none when the correction left it
-        no token: AdamW's momentum and decay would still move the weights); its combined stats."""
-        combined = combine_microbatches(parts)
+        no token: AdamW's momentum and decay would still move the weights); the stats of every rank's
+        micro-batches combined, so every rank skips alike (on ranks the norm is over every rank's shards)."""
+        combined = combine_microbatches([p for rank in self.parallel.all_ranks(parts) for p in rank])
         if not combined.get("weighted_tokens", 1.0):
             return {**combined, "grad_norm": 0.0, "skipped": 1.0}
-        clip = self.cfg.learner.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        norm = self.parallel.clip_grad_norm(self.model.parameters(), self.cfg.learner.grad_clip)
         self.optimizer.step()
-        return {**combined, "grad_norm": float(norm)}
+        return {**combined, "grad_norm": norm}
 
     def logprobs(self, packed: PackedBatch) -> torch.Tensor:
         """π's log-probs of the loss tokens (`forward.token_logprobs`), under the precision's scope."""
-        with compute_scope(self.device, self.cfg.learner.precision):
-            return self.score(self.model, packed)
+        with compute_scope(self.device, self.cfg.learner.precision):  # FSDP2: through the root module
+            return self.parallel.forward(self.model, lambda m: self.score(m, packed))
 
     def score(self, model: nn.Module, packed: PackedBatch) -> torch.Tensor:
         """`forward.token_logprobs` with this learner's kernel, sampling distribution and LM-head chunk."""
@@ -337,24 +294,20 @@ class Learner:
         tf32 = lc.precision == "bfloat16"  # the LM head's fp32 matmuls on TF32 cores (learner/lm_head.py)
         return token_logprobs(model, packed, self.attention, self.sampling, lc.logprob_chunk_tokens, tf32)
 
-    def _place_model(self, model: nn.Module) -> nn.Module:
-        """The model on the learner's device in fp32 (dropout off: the first mini-batch then runs exactly at
-        θ_old, s ≡ 0 with recomputed μ); the sharded learner also shards it here (learner/sharded.py)."""
-        return prepare_model(model, self.cfg, self.device)
-
-    def plan(self, trees: Sequence[RolloutTree]) -> tuple[list[list[PackedBatch]], list[MinibatchTargets]]:
+    def plan(self, trees: Sequence[RolloutTree]) -> tuple[list[list[Pass]], list[MinibatchTargets]]:
         """The mini-batches of `trees` as packed micro-batches and their targets, as `step` trains them."""
-        kept = self._select(trees)
-        groups = self._split(len(kept))
-        return [self._pack([kept[i] for i in g]) for g in groups], self._targets(kept, groups)
+        algo, lc = self.cfg.algo, self.cfg.learner
+        kept = select_trees(algo, self.method, trees, self.version)
+        groups = minibatch_groups(self.cfg.run.seed, self.version, len(kept), lc.minibatches)
+        targets = step_targets(algo, self.method, kept, groups)
+        return [self._pack([kept[i] for i in g]) for g in groups], targets
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Detached CPU copies of the parameters in `weights.dtype` (tied weights once, as save_pretrained
-        writes them; with LoRA merged, learner/lora.py); copies, so a publisher may serialize them while the
-        next step updates the model."""
-        dtype = getattr(torch, self.cfg.weights_dtype)
-        return {n: p.detach().to("cpu", dtype, copy=True) for n, p in served_parameters(self.model).items()}
+        """The full parameters in `weights.dtype` as the samplers get them (tied weights once; with LoRA
+        merged, learner/lora.py), as CPU copies a publisher may serialize while the next step updates the
+        model; on ranks gathered on rank 0 ({} elsewhere), a collective."""
+        return self.parallel.named_weights(self.model, getattr(torch, self.cfg.weights_dtype))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's live state dict (shares storage with the parameters)."""
@@ -369,7 +322,7 @@ class Learner:
             extra = {"watermark": self.store.watermark() if self.store is not None else self.version}
             if self.last_metrics is not None:  # a learner killed before the step's call returned keeps them
                 extra["step_metrics"] = {k: float(v) for k, v in self.last_metrics.items()}
-        return self.write_checkpoint(
+        return self.parallel.write_checkpoint(  # one process's safetensors, or every rank's DCP shards
             run_dir,
             self.version if step is None else step,
             self.model,
@@ -380,10 +333,10 @@ class Learner:
         )
 
     def restore(self, run_dir: str | Path) -> Checkpoint | None:
-        """Loads the newest valid checkpoint into model, optimizer and RNGs; None if there is none."""
-        ckpt = load_latest(run_dir)
-        if ckpt is not None:  # one rank's, a sharded run's (DCP) or a LoRA run's adapter (learner/lora.py)
-            restore_with_adapter(ckpt, self.model, self.optimizer)
+        """Loads the newest valid checkpoint into model, optimizer and RNGs (either format, on any number of
+        ranks: learner/parallel_plan.py); None if there is none."""
+        ckpt = self.parallel.restore(run_dir, self.model, self.optimizer)
+        if ckpt is not None:
             self.version = ckpt.version
             self.last_metrics = checkpointed_metrics(ckpt)
         return ckpt

@@ -1,7 +1,7 @@
 """LoRA on the sharded learner (learner.ranks > 1, learner/sharded.py): what differs from one rank.
 
     keep_base_fingerprint(model)         # before fully_shard: the frozen base's fingerprint, kept
-    save_dcp_with_adapter(run_dir, ...)  # ShardedLearner.write_checkpoint: merged weights + adapter
+    save_dcp_with_adapter(run_dir, ...)  # Fsdp2Ranks.write_checkpoint: merged weights + adapter
     served_from_full(model, full)        # rank 0's gathered state dict → the served (merged) weights
 
 **Sharding.** FSDP2's `fully_shard` (learner/distributed.py `shard_model`) takes each decoder layer with its
@@ -21,7 +21,7 @@ folded into rank 0's gathered state dict (`served_from_full`).
 **Checkpoints.** storage/dcp_checkpoint.py with an `Adapter` as a one-rank LoRA checkpoint has: the merged
 weights (W + scale·B·A, DTensor arithmetic on each rank's shards) under the base's names, so export and
 `full_model_tensors` read it as any checkpoint, the adapter beside them and `adapter_meta` (base
-fingerprint, rank, alpha) in meta.json. A resume (ShardedLearner.restore) refuses in one line another base,
+fingerprint, rank, alpha) in meta.json. A resume (Fsdp2Ranks.restore) refuses in one line another base,
 rank or kind (learner/lora.py `check_restorable`) and then loads the adapter and AdamW's moments alone.
 """
 

@@ -1,4 +1,6 @@
 """The sharded learner: `Learner` over R ranks with FSDP2, exact global normalization (docs/design.md §12).
+`Fsdp2Ranks` is its parallel plan (learner/parallel_plan.py): the learner's loop is the one-process loop, and
+this plan decides what differs on a rank.
 
 Every rank receives the same rollout batch (rank 0 takes it from the store and broadcasts its Arrow IPC
 bytes), computes the same plan — the same seeded mini-batch split and the same targets, Z included, from the
@@ -26,9 +28,7 @@ The process group must be up before construction (runtime/learner_roles.py, or a
 from __future__ import annotations
 
 import heapq
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.optim import Optimizer
 
-from learner.device import compute_scope, prepare_model
-from learner.diagnostics import combine_microbatches
+from configs.schema import Config
+from learner.device import prepare_model
 from learner.distributed import (
+    Scorer,
     all_reduce_sums,
     broadcast_bytes,
     broadcast_ints,
@@ -49,19 +51,19 @@ from learner.distributed import (
     init_process_group,
     shard_model,
 )
-from learner.forward import attention_scope
 from learner.learner import Learner
-from learner.lora import check_restorable, published_weights
+from learner.lora import check_restorable
 from learner.lora_sharded import keep_base_fingerprint, save_dcp_with_adapter, served_from_full
 from learner.minibatch import microbatch_pieces
-from learner.packing import PackedBatch
-from storage.checkpoint import Checkpoint, checkpointed_metrics, load_latest, verify_checkpoint
+from learner.parallel_plan import Padding, RankShare
+from storage.checkpoint import Checkpoint, load_latest, verify_checkpoint
 from storage.dcp_checkpoint import restore_into
 from storage.tree_codec import decode_ipc, encode_ipc
+from system.interfaces import StoreClient
 from system.microbatch import Piece, first_fit_decreasing
 from system.tree import RolloutTree
 
-__all__ = ["Padding", "ShardedLearner", "assign_to_ranks", "init_process_group", "rank_plan"]
+__all__ = ["Fsdp2Ranks", "Padding", "ShardedLearner", "assign_to_ranks", "init_process_group", "rank_plan"]
 
 
 def assign_to_ranks(tokens: Sequence[int], ranks: int) -> list[list[int]]:
@@ -83,139 +85,85 @@ def rank_plan(pieces: Sequence[Piece], budget: int, ranks: int) -> list[list[lis
     return [first_fit_decreasing([pieces[i] for i in idx], budget) for idx in split]
 
 
-@dataclass(frozen=True)
-class Padding:
-    """A pass that only joins the collectives: forward and backward of `packed` with its loss × 0."""
+def ShardedLearner(model: nn.Module, cfg: Config, **kwargs: Any) -> Learner:
+    """`Learner` on this rank of an initialized process group, with the `Fsdp2Ranks` plan (module docstring;
+    a class once, the role keeps its name). Rank 0 alone holds the store client and the weight source; the
+    others pass None."""
+    return Learner(model, cfg, parallel=Fsdp2Ranks(dist.get_rank(), dist.get_world_size()), **kwargs)
 
-    packed: PackedBatch
 
+class Fsdp2Ranks:
+    """The parallel plan of one FSDP2 rank (learner/parallel_plan.py `ParallelPlan`)."""
 
-class ShardedLearner(Learner):
-    """`Learner` on one rank of an initialized process group (module docstring). Rank 0 alone holds the
-    store client and the weight source; the others pass None."""
+    weights_are_collective = True  # the full state dict (LoRA: the adapter) is gathered from every rank
 
-    write_checkpoint = staticmethod(save_dcp_with_adapter)  # every rank its shards, rank 0 the rest
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.is_leader = rank == 0
+        self.scorer: Scorer | None = None  # the FSDP2 root, once `place` has sharded the model
 
-    def __init__(self, model: nn.Module, cfg: Any, **kwargs: Any) -> None:
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.microbatches = 0  # this step's real micro-batches on this rank
-        super().__init__(model, cfg, **kwargs)
-
-    def _place_model(self, model: nn.Module) -> nn.Module:
-        model = prepare_model(model, self.cfg, self.device)  # fp32 master weights, dropout off, checkpointing
+    def place(self, model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
+        model = prepare_model(model, cfg, device)  # fp32 master weights, dropout off, checkpointing
         keep_base_fingerprint(model)  # LoRA: while the base is whole
-        self.scorer = shard_model(model, device_mesh(self.device), self.cfg.learner.precision)
+        self.scorer = shard_model(model, device_mesh(device), cfg.learner.precision)
         return model
 
-    def logprobs(self, packed: PackedBatch) -> torch.Tensor:
-        """Through the FSDP2 root, under the same bf16 scope as one rank (learner/device.py)."""
-        with compute_scope(self.device, self.cfg.learner.precision):
-            return self.scorer(lambda m: self.score(m, packed))
+    def forward(self, model: nn.Module, compute: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
+        """Through the FSDP2 root: each call gathers the root group before and reduces its gradients after."""
+        assert self.scorer is not None, "place the model first"
+        return self.scorer(compute)
 
-    # ---- the batch -------------------------------------------------------------------------------
-    def _take_batch(self) -> tuple[int, list[RolloutTree] | None]:
+    def take_batch(self, store: StoreClient | None, n: int) -> tuple[int, list[RolloutTree] | None]:
         """Rank 0 takes the batch from the store; every rank gets its Arrow IPC bytes (no pickle)."""
         buf, index = None, 0
         if self.rank == 0:
-            assert self.store is not None, "rank 0 needs the store"
-            index = self.store.watermark()
-            buf = _take_batch_ipc(self.store, self.cfg.learner.batch_trees)
+            assert store is not None, "rank 0 needs the store"
+            index = store.watermark()
+            buf = _take_batch_ipc(store, n)
         (index,) = broadcast_ints([index])
         buf = broadcast_bytes(buf)
         return index, None if buf is None else decode_ipc(buf, "learner batch")
 
-    def step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
-        self.microbatches = 0
-        stats = super().step(trees)
-        (stats["learner/microbatches"],) = all_reduce_sums([float(self.microbatches)])
-        return stats
+    def share(self, trees: Sequence[RolloutTree], budget: int, packed_forward: bool) -> RankShare:
+        """This rank's micro-batches of one mini-batch, and padding passes up to the most any rank has: the
+        smallest piece of the mini-batch carries them."""
+        pieces = microbatch_pieces(trees, budget, packed_forward)
+        plan = rank_plan(pieces, budget, self.world)
+        mine = plan[self.rank]
+        padding = max(len(p) for p in plan) - len(mine)
+        if not padding:
+            return RankShare(mine)
+        smallest = min(pieces, key=lambda p: (p.tokens, p.tree, p.nodes[0]))
+        return RankShare(mine, padding, smallest)
 
-    def _pack(self, trees: list[RolloutTree]) -> list[PackedBatch]:
-        """This rank's micro-batches of one mini-batch, padded to the most any rank has (`Padding`)."""
-        lc = self.cfg.learner
-        pieces = microbatch_pieces(trees, lc.max_tokens_per_microbatch, lc.packed_forward)
-        plan = rank_plan(pieces, lc.max_tokens_per_microbatch, self.world)
-        mine = [self._inputs(trees, m) for m in plan[self.rank]]
-        self.microbatches += len(mine)
-        passes = max(len(p) for p in plan)
-        if len(mine) < passes:  # the smallest piece of the mini-batch carries the padding passes
-            smallest = min(pieces, key=lambda p: (p.tokens, p.tree, p.nodes[0]))
-            mine += [Padding(self._inputs(trees, [smallest]))] * (passes - len(mine))  # type: ignore[list-item]
-        return mine
-
-    def _scored(self, batches: list[list[PackedBatch]]) -> list[list[torch.Tensor | None]]:
-        """As Learner's; a padding pass forwards too (every rank joins each all-gather) and scores None."""
-        out: list[list[torch.Tensor | None]] = []
-        with torch.no_grad():
-            for micro in batches:
-                out.append([])
-                for packed in micro:
-                    if isinstance(packed, Padding):
-                        self.logprobs(packed.packed)
-                    out[-1].append(None if isinstance(packed, Padding) else self.logprobs(packed))
-        return out
-
-    def _all_ranks(self, value: Any) -> list[Any]:
+    def all_ranks(self, value: Any) -> list[Any]:
         return gather_json(value)
 
-    # ---- one mini-batch ---------------------------------------------------------------------------
-    def _passes(self, micro: list[PackedBatch]) -> Iterator[PackedBatch]:
-        """This rank's real micro-batches; a padding pass joins the collectives here, in its place, and is
-        not yielded (every rank runs as many passes as the rank with the most, `_pack`)."""
-        for packed in micro:
-            if isinstance(packed, Padding):
-                self._join(packed.packed)
-            else:
-                yield packed
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        return all_reduce_sums(values)
 
-    def _optimizer_step(self, parts: list[dict[str, Any]]) -> dict[str, float]:
-        """This rank's share of the gradient is in (summed over ranks by FSDP2): one clipped AdamW step on
-        every rank's shards; the stats of every rank's micro-batches combined."""
-        everyone = combine_microbatches([p for rank_parts in gather_json(parts) for p in rank_parts])
-        if not everyone.get("weighted_tokens", 1.0):  # every rank's tokens masked: every rank skips alike
-            return {**everyone, "grad_norm": 0.0, "skipped": 1.0}
-        norm = clip_global_norm(self.model.parameters(), self.cfg.learner.grad_clip)
-        self.optimizer.step()
-        return {**everyone, "grad_norm": norm}
+    def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> float:
+        """The norm over every rank's gradient shards, the same scale on every rank."""
+        return clip_global_norm(params, max_norm)
 
-    def _join(self, packed: PackedBatch) -> None:
-        """A padding pass: the forward's all-gathers and the backward's reduce-scatters, zero gradient."""
-        with attention_scope(self.model, packed, self.attention):
-            logp = self.logprobs(packed)
-            (torch.nan_to_num(logp).sum() * 0.0).backward()
-
-    # ---- weights and checkpoints ------------------------------------------------------------------
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """The full parameters in `weights.dtype` on rank 0 ({} elsewhere): every rank joins the gather. With
-        LoRA the served ones, as one rank's: merged, under the base's names."""
+    def named_weights(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The full parameters on rank 0 ({} elsewhere): every rank joins the gather. With LoRA the served
+        ones, as one rank's: merged, under the base's names."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full: dict[str, Any] = get_model_state_dict(self.model, options=options)
+        full: dict[str, Any] = get_model_state_dict(model, options=options)
         if self.rank != 0:
             return {}
-        dtype = getattr(torch, self.cfg.weights_dtype)
-        served = served_from_full(self.model, full)
-        names = [n for n, _ in self.model.named_parameters() if n in served]  # tied ones once, as on 1 rank
+        served = served_from_full(model, full)
+        names = [n for n, _ in model.named_parameters() if n in served]  # tied ones once, as on 1 rank
         return {n: served[n].to(dtype).contiguous() for n in names}
 
-    def _publish(self) -> float:
-        t0 = time.perf_counter()
-        # a collective: every rank, also those that publish nothing (LoRA: the adapter, gathered from shards)
-        weights = published_weights(self.model, self.cfg, self.named_weights)
-        if self.rank == 0 and self.weights is not None:
-            self.weights.publish(weights, self.version)
-        if self.rank == 0 and self.store is not None:
-            self.store.set_learner_version(self.version)
-        return time.perf_counter() - t0
+    def write_checkpoint(
+        self, run_dir: str | Path, step: int, model: nn.Module, optimizer: Optimizer, **kwargs: Any
+    ) -> Path:
+        """DCP: every rank its shards, rank 0 the rest (learner/lora_sharded.py)."""
+        return save_dcp_with_adapter(run_dir, step, model, optimizer, **kwargs)
 
-    def progress(self) -> dict[str, int]:
-        return {**super().progress(), "rank": self.rank}
-
-    def stop(self) -> None:
-        super().stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def restore(self, run_dir: str | Path) -> Checkpoint | None:
+    def restore(self, run_dir: str | Path, model: nn.Module, optimizer: Optimizer) -> Checkpoint | None:
         """Rank 0 picks the newest valid checkpoint, every rank loads it (either format; DCP reshards to
         this rank count)."""
         chosen = load_latest(run_dir) if self.rank == 0 else None
@@ -223,11 +171,16 @@ class ShardedLearner(Learner):
         if path is None:
             return None
         ckpt = chosen or verify_checkpoint(Path(path.decode()), hashes=False)
-        check_restorable(ckpt, self.model)  # LoRA: one line refuses another base or kind, before any load
-        restore_into(ckpt, self.model, self.optimizer)
-        self.version = ckpt.version
-        self.last_metrics = checkpointed_metrics(ckpt)
+        check_restorable(ckpt, model)  # LoRA: one line refuses another base or kind, before any load
+        restore_into(ckpt, model, optimizer)
         return ckpt
+
+    def progress(self) -> dict[str, int]:
+        return {"rank": self.rank}
+
+    def stop(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _take_batch_ipc(store: Any, n: int) -> bytes | None:

@@ -4,9 +4,10 @@
         ▲                   │ take_batch (fixed B trees, exactly once)
         └── ZeroMQ weights ◀┴── learner ── checkpoint (weights, optimizer, RNG, store watermark)
 
-The roles are placed and started by runtime/topology.py; this module is the driver that schedules them.
-When a role fails, runtime/supervision.py decides (restart it, re-sync the learner, replace the samplers,
-or stop with a message: `RoleFailed`) and returns the decision; the driver applies it to its own state.
+The roles are started, replaced and stopped by runtime/roles.py:Roles alone; this module is the driver that
+schedules them. When a role fails, runtime/supervision.py turns the error into a `Failure` and decides
+(runtime/decisions.py: restart it, re-sync the learner, replace a sampler, wait for the store, or stop with
+a message: `RoleFailed`); the driver applies the decision (runtime/recovery.py, then its own state).
 
 The driver only schedules calls and moves metrics to tensorboard; data goes actor to actor (trees as Arrow
 IPC bytes through the object store, weights over ZeroMQ). Asynchronous by default: samplers run ahead of
@@ -27,20 +28,16 @@ from typing import Any
 import ray
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from actors.failures import SamplerFailure, from_ray_error
+from actors.failures import SamplerFailure
 from configs.schema import Config
+from runtime.decisions import Decision, DropSampler, RestartRole
 from runtime.external_tally import ExternalTally
 from runtime.learner_group import LearnerRankError
+from runtime.recovery import Recovery, Resync
+from runtime.roles import Roles, start_topology, stop_topology  # noqa: F401  (re-exported for callers)
 from runtime.signals import Abort
-from runtime.supervision import Resync, Supervisor, sampler_restarts
-from runtime.topology import (  # noqa: F401  (the Ray run's names, re-exported for its callers)
-    Topology,
-    init_ray,
-    role_options,
-    scale_samplers,
-    start_topology,
-    stop_topology,
-)
+from runtime.supervision import Supervisor, sampler_failure, sampler_restarts
+from runtime.topology import init_ray, role_options  # noqa: F401  (re-exported for the run's callers)
 from storage.durable import write_atomic
 from system.interfaces import MetricsSink
 
@@ -64,7 +61,7 @@ def read_control(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 class Driver:
     """Schedules the roles until the learner has done `steps` steps (or the time limit passes)."""
 
-    def __init__(self, cfg: Config, topo: Topology, sink: MetricsSink, progress=None, stop=None) -> None:
+    def __init__(self, cfg: Config, topo: Roles, sink: MetricsSink, progress=None, stop=None) -> None:
         self.cfg, self.topo, self.sink, self.progress = cfg, topo, sink, progress
         self.metrics = MetricsLogger()
         self.step = int(ray.get(topo.learner.progress.remote())["version"])  # one step, one version
@@ -77,7 +74,8 @@ class Driver:
         self.last_healthy = time.perf_counter()
         self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
         self.last_flush = time.perf_counter()
-        self.supervisor = Supervisor(cfg, topo)  # restarts store, backup, learner (runtime/supervision.py)
+        self.supervisor = Supervisor(cfg)  # observes and decides (runtime/supervision.py)
+        self.recovery = Recovery(cfg, topo, self.supervisor, lambda: self.step)  # applies, through Roles
         self.stop = stop  # runtime/signals.py: GracefulStop, set once SIGINT/SIGTERM asked for a stop
         self.stop_requested = stop.requested if stop is not None else lambda: False
         self.learner_call: list[Any] | None = None  # the train_step in flight on every learner rank
@@ -125,7 +123,7 @@ class Driver:
             self.control_seq = control["seq"]
             n = int(control["samplers"])
             log.info("scaling samplers to %d", n)
-            self.retiring |= set(scale_samplers(self.topo, self.cfg, n, frozenset(self.retiring)))
+            self.retiring |= set(self.topo.scale_samplers(n, frozenset(self.retiring)))
 
     def _tick_samplers(self) -> None:
         """One `sample_and_commit` in flight per active sampler (tagged by actor id, so the driver can tell
@@ -149,14 +147,8 @@ class Driver:
 
     def _collect_samplers(self) -> None:
         for result in self.topo.manager.fetch_ready_async_reqs(timeout_seconds=0.05):
-            if not result.ok:  # the actor died mid-call: its reservation goes back, Ray restarts it
-                self.sampler_failures += 1
-                self.supervisor.store_call(self.step, "release", self.cfg.sampler.prompts_per_request)
-                failure, explained = from_ray_error(result.get(), self.cfg)
-                log.warning("sampler %s failed: %s", result.actor_id, failure)
-                self.last_failure = failure
-                if explained and failure.is_config:  # a restart would fail the same way: stop, naming it
-                    raise failure
+            if not result.ok:
+                self._sampler_failed(result.actor_id, result.get())
                 continue
             out = result.get()
             self.sampler_metrics[result.actor_id] = out["metrics"]
@@ -165,11 +157,36 @@ class Driver:
         self.topo.manager.probe_unhealthy_actors(timeout_seconds=0.1, mark_healthy=True)
         self._retire_idle()
 
+    def _sampler_failed(self, actor_id: int, error: BaseException) -> None:
+        """A failed sampler call: its reservation goes back, and the decision is applied — Ray restarts a
+        dead one, Roles replaces one that raised (drops it past its restarts), a config failure stops all."""
+        self.sampler_failures += 1
+        self.recovery.store.call("release", self.cfg.sampler.prompts_per_request)
+        failure, explained = sampler_failure(error, self.topo.slots.get(actor_id, -1), self.cfg)
+        log.warning("sampler %s failed: %s", actor_id, explained)
+        self.last_failure = explained
+        decision = self.supervisor.decide(failure)
+        if actor_id in self.retiring and isinstance(decision, RestartRole | DropSampler):
+            self.retiring.discard(actor_id)  # on its way out anyway: removed, not replaced
+            self.topo.remove_sampler(actor_id)
+        else:
+            self._apply(decision)
+        if actor_id not in self.topo.slots:  # replaced or removed: its counts stay in the run's totals
+            self.sampler_metrics.pop(actor_id, None)
+            if self.external is not None:
+                self.external.retire(actor_id)
+
+    def _apply(self, decision: Decision) -> None:
+        """A supervisor's decision carried out (runtime/recovery.py); the driver's state follows a Resync."""
+        resync = self.recovery.apply(decision, self.step)
+        if resync is not None:
+            self.apply(resync)
+
     def _retire_idle(self) -> None:
         """Removes retiring samplers once their last call has returned (its trees are committed)."""
         for actor_id in list(self.retiring):
             if self.topo.manager.num_outstanding_async_reqs(_tag(actor_id)) == 0:
-                ray.kill(self.topo.manager.remove_actor(actor_id), no_restart=True)
+                self.topo.remove_sampler(actor_id)
                 self.retiring.discard(actor_id)
                 self.sampler_metrics.pop(actor_id, None)
                 if self.external is not None:
@@ -182,7 +199,7 @@ class Driver:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayError as e:  # the backup, or the store under it, was lost
-                    self.supervisor.backup_failed(self.step, e)
+                    self._apply(self.supervisor.decide(self.supervisor.backup_failure(e)))
             self.backup_call = self.topo.backup.run_once.remote(64, 0.2)
 
     def _learner_idle(self) -> bool:
@@ -197,7 +214,7 @@ class Driver:
                 self._trained(out)  # asks the learner for its lags: it may be lost right now too
         except (ray.exceptions.RayError, LearnerRankError) as e:  # re-synced or restarted from a checkpoint
             self.learner_call = None
-            self.apply(self.supervisor.learner_failed(self.step, e))
+            self._apply(self.supervisor.decide(self.supervisor.learner_failure(e)))
             return True
         return done
 
@@ -236,7 +253,7 @@ class Driver:
         if decision.replace_samplers:
             active = [i for i in self.topo.manager.actor_ids() if i not in self.retiring]
             self.retiring |= set(active)
-            scale_samplers(self.topo, self.cfg, len(active), frozenset(self.retiring))
+            self.topo.scale_samplers(len(active), frozenset(self.retiring))
 
     def finish_step(self, finish_s: float = 600.0) -> bool:
         """Lets the learner step in flight end (its metrics logged) without starting another; True when it
@@ -279,13 +296,13 @@ class Driver:
     def save_final(self, tries: int = 3) -> str:
         """The final checkpoint (every rank's shards), through a store or learner lost at the last moment."""
         for _ in range(tries):
-            self.supervisor.check_store(self.step)
+            self.recovery.check_store(self.step)
             group = self.topo.learners
             try:
                 return str(group.wait(group.call("save_final")))
             except (ray.exceptions.RayError, LearnerRankError) as e:
-                self.apply(self.supervisor.learner_failed(self.step, e))  # then the save is asked again
-        raise self.supervisor.final_checkpoint_failed()
+                self._apply(self.supervisor.decide(self.supervisor.learner_failure(e)))  # then asked again
+        raise self.recovery.final_checkpoint_failed()
 
     def flush(self) -> None:
         """Role metrics → MetricsLogger (sum of counters / mean of rates across samplers) → tensorboard."""
@@ -295,9 +312,10 @@ class Driver:
             for key, value in snapshot.items():
                 reduce = "mean" if key.endswith(("_per_s", "version", "ratio")) else "sum"
                 self.metrics.log_value(key, value, reduce=reduce, window=max(len(snapshots), 1))
-        backup = self.supervisor.backup_metrics()  # short wait at most: run_once is quick
-        self.supervisor.check_store(self.step)  # a store restarted by Ray: counted, told the learner version
-        store = self.supervisor.store_call(self.step, "stats")
+        backup = self._backup_metrics()  # short wait at most: run_once is quick
+        self.recovery.check_store(self.step)  # a store restarted by Ray: counted, told the learner version
+        self._check_retrieval()
+        store = self.recovery.store.call("stats")
         values = {k: float(s.peek()) for k, s in self.metrics.reduce().items()}
         values.update(backup)
         values.update(_store_metrics(store))
@@ -307,6 +325,25 @@ class Driver:
         self.sink.log({k: v for k, v in values.items() if v == v}, self.step)
         self.sink.flush()
         self.last_flush = time.perf_counter()
+
+    def _backup_metrics(self) -> dict[str, float]:
+        """The backup's counters, or none while it is down (its next tick finds out why)."""
+        try:
+            return dict(ray.get(self.topo.backup.get_metrics.remote(), timeout=30))
+        except (ray.exceptions.RayError, TimeoutError):
+            return {}
+
+    def _check_retrieval(self) -> None:
+        """A retrieval service whose actor died is a failure decided like any other (a stopped server whose
+        actor lives is not: the samplers' searches fail as tool errors)."""
+        if self.topo.retrieval is None:
+            return
+        try:
+            ray.get(self.topo.retrieval.describe.remote(), timeout=10)
+        except ray.exceptions.RayActorError as e:
+            self._apply(self.supervisor.decide(self.supervisor.retrieval_failure(e)))
+        except ray.exceptions.GetTimeoutError:
+            log.info("the retrieval service did not answer within 10 s")
 
 
 def _tag(actor_id: int) -> str:

@@ -1,7 +1,8 @@
 """The learner on Ray: one `LearnerActor` (learner.ranks = 1, as before), or R `LearnerRankActor`s in a
-placement group, one bundle per rank (docs/design.md §12).
+placement group, one bundle per rank (docs/design.md §12); the ranks take the bundles node by node
+(runtime/placement.py), so a node's ranks and GPUs are contiguous whatever order Ray numbered them in.
 
-    group = start_learner_group(cfg, data, model_path, store, resume, role_options(cfg, "learner"))
+    group = start_learner_group(cfg, data, model_path, store, resume, opts)   # runtime/roles.py
     refs = group.call("train_step", 0.05)          # every rank runs the step: it is a run of collectives
     done, out = group.poll(refs, timeout_s=0.05)   # rank 0's answer once all are done; raises
                                                    # LearnerRankError naming the rank that died or hung
@@ -20,16 +21,14 @@ import logging
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs.schema import Config, ConfigError
-from runtime.learner_roles import LearnerActor, LearnerRankActor
-from runtime.remote import RoleLog, run_remote, start_actor
 
 log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
@@ -60,6 +59,7 @@ class LearnerGroup:
     actors: list[Any]  # in rank order; actors[0] is the learner the driver and the samplers talk to
     timeout_s: float  # learner.collective_timeout_s
     placement: PlacementGroup | None = None
+    release: Callable[[LearnerGroup, float], None] | None = None  # runtime/roles.py:stop_learner_group
 
     @property
     def rank0(self) -> Any:
@@ -109,17 +109,20 @@ class LearnerGroup:
             )
         return f"learner ranks failed in a collective: {others}"
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stops every rank (best effort for the dead or stuck ones), kills them, frees the bundles."""
+    def stop_calls(self, timeout_s: float) -> None:
+        """Asks every rank to stop and waits up to `timeout_s` (the actors themselves: `stop`)."""
         refs = self.call("stop")
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for rank, ref in enumerate(refs):
             if ref not in ready or _error(ref) is not None:
                 log.warning("learner rank %d did not stop cleanly", rank)
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        if self.placement is not None:
-            remove_placement_group(self.placement)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stops every rank (best effort for the dead or stuck ones), kills them, frees the bundles: through
+        `release`, which runtime/roles.py (the only code that stops actors) gave the group at its start."""
+        if self.release is None:
+            raise RuntimeError("a learner group not started by runtime/roles.py has no way to stop")
+        self.release(self, timeout_s)
 
 
 def _error(ref: Any) -> BaseException | None:
@@ -175,36 +178,18 @@ def _placement(cfg: Config, ranks: int, options: dict[str, Any]) -> PlacementGro
     return pg
 
 
-def start_learner_group(
-    cfg: Config, data: dict, model_path: str, store: Any, resume: bool, options: dict[str, Any]
-) -> LearnerGroup:
-    """The learner role on Ray (module docstring); returns once every rank has started (and resumed)."""
-    ranks, timeout = cfg.learner.ranks, cfg.learner.collective_timeout_s
-    if ranks == 1:
-        log_to = RoleLog(cfg.run.run_dir, "learner")  # RUN_DIR/logs/learner-0.log
-        return LearnerGroup(
-            [start_actor(LearnerActor, log_to, options, data, model_path, store, resume)], timeout
-        )
-    pg = _placement(cfg, ranks, options)
+def _rank_bundles(pg: PlacementGroup, gpus_per_rank: float) -> list[int]:
+    """The bundle index of each rank: a node's ranks contiguous, nodes in order (runtime/placement.py)."""
+    from ray.util.placement_group import placement_group_table
 
-    def strategy(rank: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+    from runtime.placement import rank_slots
 
-    address = run_remote(_rendezvous, {"num_cpus": 0, "scheduling_strategy": strategy(0)})
-    opts = {**options, "num_cpus": max(float(options["num_cpus"]), 0.01)}
-    actors = [
-        start_actor(
-            LearnerRankActor,
-            RoleLog(cfg.run.run_dir, "learner", r),  # RUN_DIR/logs/learner-<rank>.log
-            {**opts, "scheduling_strategy": strategy(r)},
-            *(data, model_path, store, r, ranks, address, resume),
-        )
-        for r in range(ranks)
-    ]
-    group = LearnerGroup(actors, timeout, pg)
-    try:
-        group.wait(group.call("pid"))  # construction (model, shards, resume, first publish) done everywhere
-    except BaseException:
-        group.stop(timeout_s=5.0)
-        raise
-    return group
+    placed = placement_group_table(pg)["bundles_to_node_id"]  # {bundle index: node id}
+    node_gpus = {n["NodeID"]: float(n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n.get("Alive")}
+    bundle_nodes = [placed[b] for b in range(len(placed))]
+    return [slot.bundle for slot in rank_slots(bundle_nodes, node_gpus, gpus_per_rank)]
+
+
+# The group's actors are started and stopped by runtime/roles.py (`start_learner_group`,
+# `stop_learner_group`): the only code that starts or stops actors. The placement (`_placement`,
+# `_rank_bundles`) stays here.

@@ -36,9 +36,10 @@ def build_learner_rank(
     world: int,
     address: tuple[str, int],
     resume: bool = False,
-) -> ShardedLearner:
-    """One rank of the sharded learner (learner.ranks > 1), after joining the process group. Rank 0 is the
-    learner as the rest of the system sees it: it alone holds the store client and the weight publisher."""
+) -> Learner:
+    """One rank of the sharded learner (learner.ranks > 1), after joining the process group: `Learner` with
+    the FSDP2 ranks' parallel plan (learner/sharded.py). Rank 0 is the learner as the rest of the system sees
+    it: it alone holds the store client and the weight publisher."""
     from learner.device import learner_device
     from learner.distributed import init_process_group
     from learner.weight_publisher import WeightPublisher
@@ -66,4 +67,4 @@ def _load_model(config: Any, model_path: str) -> tuple[Any, Any]:
 
 
 LearnerActor = host_class("LearnerActor", Learner, build_learner)
-LearnerRankActor = host_class("LearnerRankActor", ShardedLearner, build_learner_rank)
+LearnerRankActor = host_class("LearnerRankActor", Learner, build_learner_rank)  # the same methods

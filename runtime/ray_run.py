@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 
 from runtime.driver import Driver
 from runtime.leftovers import reap_dead_run, record_local_ray
+from runtime.roles import start_topology, stop_topology
 from runtime.signals import Abort, GracefulStop
-from runtime.topology import init_ray, start_topology, stop_topology
+from runtime.topology import init_ray
 from storage.tracking import run_sink
 
 

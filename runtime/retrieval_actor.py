@@ -1,9 +1,9 @@
 """The run's shared retrieval service: ONE Ray actor that serves the corpus to every sampler.
 
-`runtime/driver.py:start_topology` calls `start_retrieval_service(cfg, data)` before it starts the samplers:
+`runtime/roles.py:Roles` starts it before the samplers (and stops it, or replaces it when its actor died):
 when `env.retriever = service` and `env.retriever_url` is unset, the actor loads (or builds once) the index
 and serves it from a thread in its own process, and its URL (and token) go into `data["env"]`, the config
-dict every sampler is built from. `stop_topology` calls `stop_retrieval_service`.
+dict every sampler is built from. This module holds the role, the corpus it serves and where it binds.
 
 What it serves: `env.corpus`, or for `synthetic_kb` the generated KB's passages, written once to
 `run_dir/retrieval/corpus.jsonl` (rewritten only when they change, so a resumed run reuses its index). The
@@ -28,7 +28,7 @@ import ray
 from actors.envs.retrieval_index import open_index
 from actors.envs.retrieval_server import RetrievalServer, resolve_token
 from configs.schema import Config, ConfigError
-from runtime.remote import host_class, start_actor
+from runtime.remote import host_class
 from storage.durable import write_atomic
 
 log = logging.getLogger(__name__)
@@ -95,29 +95,6 @@ def _bind(cfg: Config) -> tuple[str, str | None]:
     return "node", token or secrets.token_urlsafe(24)
 
 
-def start_retrieval_service(cfg: Config, data: dict[str, Any]) -> Any | None:
-    """Starts the run's service when `env.retriever = service` has no URL; sets `data["env"]`'s
-    `retriever_url` (and `retriever_token`). Returns the actor handle, or None when none is needed."""
-    e = cfg.env
-    if e.retriever != "service" or e.retriever_url is not None:
-        return None
-    if e.index == "dense" and not Path(e.encoder or "").is_dir():
-        raise ConfigError(f"env.encoder = {e.encoder!r} is invalid: expected a local encoder folder")
-    corpus, index_dir = service_corpus(cfg)
-    host, token = _bind(cfg)
-    where = None if index_dir is None else str(index_dir)
-    options = {"num_cpus": 0, "max_restarts": 0}
-    actor = start_actor(RetrievalActor, None, options, str(corpus), e.index, where, e.encoder, host, token)
-    try:
-        url = ray.get(actor.url.remote())
-    except ray.exceptions.RayError as exc:
-        ray.kill(actor, no_restart=True)
-        why = (str(exc).strip().splitlines() or ["?"])[-1]
-        raise ConfigError(f"the retrieval service over {corpus} did not start: {why}") from None
-    data["env"]["retriever_url"], data["env"]["retriever_token"] = url, token
-    return actor
-
-
 @contextmanager
 def local_retrieval(cfg: Config) -> Iterator[Config]:
     """Work outside a run (evaluation before or after training, `treeopsd eval`) with `env.retriever =
@@ -134,14 +111,3 @@ def local_retrieval(cfg: Config) -> Iterator[Config]:
         yield cfg.model_copy(update={"env": e.model_copy(update={"retriever_url": server.url})})
     finally:
         server.stop()
-
-
-def stop_retrieval_service(actor: Any | None) -> None:
-    """Stops the run's service (best effort: it may already be gone) and frees the actor."""
-    if actor is None:
-        return
-    try:
-        ray.get(actor.stop.remote(), timeout=10)
-    except (ray.exceptions.RayError, TimeoutError) as exc:
-        log.warning("the retrieval service did not stop cleanly: %s", exc)
-    ray.kill(actor, no_restart=True)

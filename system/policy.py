@@ -14,9 +14,9 @@ Usage::
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from configs.schema import SamplerConfig
 
@@ -90,9 +90,19 @@ class PolicyBackend(Protocol):
 
     def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
 
+    def evict(self, *keys: str) -> None:
+        """Frees what is kept for finished episodes (cache keys); a no-op where nothing is (vLLM's prefix
+        cache is content-addressed). The lockstep loop calls it after a round, `BatchedTurns.release` after
+        a tree."""
+        ...
+
     def close(self) -> None: ...
 
 
+T = TypeVar("T")
+
+
+@runtime_checkable  # `as_turn_server`: a backend that is a TurnServer itself (vLLM) serves its own turns
 class TurnServer(Protocol):
     """A backend as the asynchronous agent loop sees it (actors/async_loop.py): one turn per call, many
     calls in flight. vLLM's backend is one natively (its async engine); any PolicyBackend becomes one
@@ -106,6 +116,17 @@ class TurnServer(Protocol):
         """Loads a version in place; called only while no turn is being generated."""
         ...
 
+    async def prepare_weights(self, named_tensors: Mapping[str, Any]) -> Any:
+        """Checks and stages a version while turns still run (vLLM: for its workers); what it returns goes
+        to `apply_weights`. The weight gate calls it before it pauses the episodes, so the pause is the load
+        alone; a server with nothing to stage returns the tensors as they are."""
+        ...
+
     async def release(self, *keys: str) -> None:
         """Frees what is kept for finished episodes (cache keys); a no-op where nothing is."""
+        ...
+
+    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs a coroutine that calls this server (the asynchronous agent loop, a weight load) to its end
+        on the event loop the server needs: vLLM's engine loop; `asyncio.run` for BatchedTurns."""
         ...

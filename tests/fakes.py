@@ -35,6 +35,9 @@ class TextBackend:
     def load_weights(self, named_tensors, version: int) -> None:
         self.version = version
 
+    def evict(self, *keys: str) -> None:
+        pass  # no caches: nothing to free
+
     def close(self) -> None:
         pass
 

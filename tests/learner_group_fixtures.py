@@ -46,7 +46,7 @@ def store_with(path, trees):
 
 def start_group(cfg: Config, model_dir, store, resume=False):
     from runtime.driver import role_options
-    from runtime.learner_group import start_learner_group
+    from runtime.roles import start_learner_group
 
     return start_learner_group(cfg, to_dict(cfg), model_dir, store, resume, role_options(cfg, "learner"))
 

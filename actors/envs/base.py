@@ -82,6 +82,10 @@ class Environment(Protocol):
 
     def restore(self, snapshot: object) -> None: ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counters the sampler's metrics add, e.g. ``env/retrieval_errors``; empty where there are none."""
+        ...
+
 
 class ToolError(Exception):
     """Raised by a tool for bad arguments or a failed lookup; the env turns it into an observation."""

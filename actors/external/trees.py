@@ -129,7 +129,7 @@ class ExternalTrees:
         ]
         for p in plans:
             p.trunks = [Session(f"{p.tree_id}/m{m}", p.state, _seed(p)) for m in range(sampler.shape.M)]
-        server = sampler._turn_server()
+        server = sampler.turn_server()
         gate = WeightGate(server, sampler.poller, sampler.stats)
         runner = EpisodeRunner(
             server,
@@ -142,8 +142,7 @@ class ExternalTrees:
             stats=sampler.stats,
         )
         rnd = Round(server, gate, self.templates, sampler.limits, self.bounds, sampler.stats)
-        run = getattr(sampler.backend, "run_async", None) or asyncio.run
-        run(_grow_all(self, rnd, runner, plans, sampler))
+        sampler.run_async(_grow_all(self, rnd, runner, plans, sampler))
         trees = [_finish(p) for p in plans]
         sampler.dropped_trees += sum(t is None for t in trees)
         mask = sampler.limits.mask_truncated_turn

@@ -206,8 +206,7 @@ class VLLMBackend:
             and not isinstance(comp.stop_reason, str)
             and (not ids or ids[-1] not in req.stop_token_ids)
         ):
-            # vLLM 0.32 keeps the stop token in token_ids; fail loudly if a version stops doing that,
-            # because the trainer needs the stop token and its behavior log-prob.
+            # vLLM 0.32 keeps the stop token (the trainer needs it and its log-prob): fail if one does not
             raise RuntimeError(f"vLLM stopped on {comp.stop_reason!r} but did not return the stop token")
         if reason not in ("stop", "length"):
             raise RuntimeError(f"unexpected vLLM finish_reason {reason!r}")
@@ -370,8 +369,11 @@ class VLLMBackend:
         """Runs a coroutine (the asynchronous agent loop) on the engine's loop and waits for it."""
         return self._engine().run(coro)
 
+    def evict(self, *keys: str) -> None:
+        """PolicyBackend: nothing is kept per episode (vLLM's prefix cache is content-addressed)."""
+
     async def release(self, *keys: str) -> None:
-        """TurnServer: nothing is kept per episode (vLLM's prefix cache is content-addressed)."""
+        """TurnServer: as `evict`, nothing to free."""
 
     def reset_prefix_cache(self) -> bool:
         loop = self._engine()

@@ -68,6 +68,9 @@ class SeededScripted:
     def load_weights(self, named_tensors: Any, version: int) -> None:
         self.version = version
 
+    def evict(self, *keys: str) -> None:
+        pass  # no caches: nothing to free
+
     def close(self) -> None:
         pass
 
@@ -145,7 +148,7 @@ def test_async_trees_equal_lockstep_trees_with_branches(
     # 6 trees x 3 trajectories start at once: the bound holds them at 4 in flight
     assert run.stats["sampler/inflight_peak"] == 4.0
     assert 0 < run.stats["sampler/inflight_episodes"] <= 4.0
-    server = run._turn_server()
+    server = run.turn_server()
     assert server.requests == run.stats["sampler/turns"] > server.batches  # turns gathered into batches
 
 

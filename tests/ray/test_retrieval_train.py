@@ -37,7 +37,7 @@ def test_training_goes_on_when_the_shared_service_stops(ray_cluster, tmp_path, s
     try:
         info = ray.get(topo.retrieval.describe.remote())
         assert info["url"].startswith("http://127.0.0.1:") and info["passages"] == 1140  # the synthetic KB
-        assert topo.args[0]["env"]["retriever_url"] == info["url"]  # what every sampler is built from
+        assert topo.spec.data["env"]["retriever_url"] == info["url"]  # what every sampler is built from
         driver = Driver(cfg, topo, sink)
         assert driver.run(1)["steps"] == 1
         before = max((v for _, v in sink.series.get("env/retrieval_errors", [])), default=0.0)

@@ -256,7 +256,8 @@ def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tm
 
     train, sample = pool_node("train"), pool_node("sample")
     assert train != sample and pool_nodes() == {"train": [train], "sample": [sample]}
-    cfg = pool_cfg(tmp_path)
+    # the store on the sample pool: a 0-CPU actor without its pool lands beside the driver, on the head
+    cfg = pool_cfg(tmp_path, **{"resources.store.pool": "sample"})
     check_pools(cfg)
     t0 = time.perf_counter()
     topo = start_topology(cfg, tiny_model_dir)
@@ -272,6 +273,7 @@ def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tm
     print(f"topology + 1 step: {time.perf_counter() - t0:.1f} s")
     assert where["SamplerActor"] == [sample, sample], where
     assert where["LearnerActor"] == [train], where
+    assert where["StoreActor"] == [sample], where
 
 
 @pytest.mark.ray

@@ -1,7 +1,12 @@
 """The README's map of the code ("Where things happen") is true: each chain of calls from `launch/cli.py:main`
-exists as written — every named function exists and its body calls the next one (by name, as an
-attribute, or as the method name a Ray call or the store client sends) — has at most 6 calls, and never
-goes back up a layer."""
+exists as written — every named function exists and its body calls the next one — has at most 6 calls, and
+never goes back up a layer.
+
+A link counts only as a call: `name(…)`, `x.name(…)`, `handle.name.remote(…)`, or the method name a Ray
+call or the store client sends as its first argument (`call("train_step")`, `_call("put_raw", …)`,
+`foreach_actor_async("sample_and_commit", …)`). A name that merely appears (`cfg.run`, a string in a
+message) is no call: with it counted, the chain still held after `driver.run(…)` was deleted from
+`launch/cmd_train.py:run`, which the last test here checks can no longer happen."""
 
 import ast
 import itertools
@@ -13,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYER = {"launch": 0, "runtime": 1, "actors": 2, "learner": 2, "storage": 3, "system": 4}
 FUNCTION = ast.FunctionDef | ast.AsyncFunctionDef
 ARROW = re.compile(r"\s*(→|⇢)\s*")
+# the functions that send a call by method name: LearnerGroup.call, RemoteStore._call, the supervisor's
+# store_call, RLlib's FaultTolerantActorManager.foreach_actor(_async)
+BY_NAME = re.compile(r"(^|_)call$|^foreach_actor")
 
 
 def readme_chains() -> dict[str, list[str]]:
@@ -27,10 +35,11 @@ def readme_chains() -> dict[str, list[str]]:
     return chains
 
 
-def function_node(ref: str) -> ast.AST:
-    """The def of `path/to/module.py:Qualname` (a function, or Class.method) in that file."""
+def function_node(ref: str, source: str | None = None) -> ast.AST:
+    """The def of `path/to/module.py:Qualname` (a function, or Class.method) in that file (or in `source`,
+    the text of that file as a test changed it)."""
     module, qualname = ref.split(":")
-    tree = ast.parse((ROOT / module).read_text())
+    tree = ast.parse(source if source is not None else (ROOT / module).read_text())
     scope: list[ast.stmt] = tree.body
     node: ast.AST | None = None
     for part in qualname.split("."):
@@ -42,15 +51,34 @@ def function_node(ref: str) -> ast.AST:
 
 
 def called_names(node: ast.AST) -> set[str]:
+    """The names `node`'s body calls (see the module docstring), nothing that is only mentioned."""
     names: set[str] = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Attribute):
-            names.add(n.attr)
-        elif isinstance(n, ast.Name):
-            names.add(n.id)
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
-            names.add(n.value)  # a Ray call by method name (`call("train_step")`, `_call("put_raw", …)`)
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        func = call.func
+        if isinstance(func, ast.Attribute):
+            called = func.attr
+        else:
+            called = func.id if isinstance(func, ast.Name) else ""  # "": a call of what a call returned
+        names.add(called)
+        if called == "remote" and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute):
+            names.add(func.value.attr)  # `handle.run_once.remote(…)`: the actor's method
+        if BY_NAME.search(called):  # `call("train_step")`, `_call("put_raw", …)`: the first string sent
+            sent = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            names.update(sent[:1])
     return names
+
+
+def missing_links(chain: list[str], sources: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The (caller, callee) pairs of `chain` whose caller does not call the callee; `sources`: module
+    path → the text to read instead of that file."""
+    sources = sources or {}
+    missing = []
+    for caller, callee in itertools.pairwise(chain):
+        function_node(callee, sources.get(callee.split(":")[0]))  # exists
+        name = callee.split(":")[1].split(".")[-1]
+        if name not in called_names(function_node(caller, sources.get(caller.split(":")[0]))):
+            missing.append((caller, callee))
+    return missing
 
 
 def test_the_readme_names_four_chains_from_main_of_at_most_six_calls():
@@ -71,10 +99,50 @@ def test_the_readme_names_four_chains_from_main_of_at_most_six_calls():
 
 def test_each_function_of_a_chain_calls_the_next():
     for what, chain in readme_chains().items():
-        for caller, callee in itertools.pairwise(chain):
-            function_node(callee)  # exists
-            name = callee.split(":")[1].split(".")[-1]
-            assert name in called_names(function_node(caller)), f"{what}: {caller} does not call {name}"
+        assert missing_links(chain) == [], f"{what}: these callers do not call the next"
+
+
+class _DropCalls(ast.NodeTransformer):
+    """Replaces each call `<x>.<method>(arg, …)` by its first argument: the call is gone, the names in its
+    arguments stay (`driver.run(cfg.run.steps)` → `cfg.run.steps`)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == self.method:
+            return node.args[0] if node.args else ast.Constant(None)
+        return node
+
+
+def test_a_deleted_call_breaks_its_link_though_the_name_remains():
+    """Chain (a) with `driver.run(…)` taken out of `launch/cmd_train.py:run`: `run` is still a name in
+    that body (`cfg.run.steps`, `cfg.run.run_dir`), but no longer a call, and the link is reported."""
+    chain = readme_chains()["(a)"]
+    caller, callee = "launch/cmd_train.py:run", "runtime/driver.py:Driver.run"
+    assert (caller, callee) in itertools.pairwise(chain)
+    module = caller.split(":")[0]
+    tree = _DropCalls("run").visit(ast.parse((ROOT / module).read_text()))
+    cut = ast.unparse(ast.fix_missing_locations(tree))
+    body = function_node(caller, cut)
+    assert "run" in {n.attr for n in ast.walk(body) if isinstance(n, ast.Attribute)}  # the name remains
+    assert "run" in called_names(function_node(caller))  # the file as it is: the link holds
+    assert missing_links(chain, {module: cut}) == [(caller, callee)]
+
+
+def test_a_method_name_sent_counts_only_as_the_first_string_of_a_call_by_name():
+    node = ast.parse(
+        "def f(group, store, log, sup, step):\n"
+        "    group.call('train_step', 'stop')\n"
+        "    sup.store_call(step, 'release', 4)\n"
+        "    store.backup.run_once.remote(64)\n"
+        "    log.info('put_raw', 'sample_and_commit')\n"
+        "    x = store.close\n"
+    ).body[0]
+    names = called_names(node)
+    assert names == {"call", "train_step", "store_call", "release", "remote", "run_once", "info"}
 
 
 def test_no_chain_goes_back_up_a_layer():

@@ -160,6 +160,9 @@ class LoadOnlyServer:
     def __init__(self) -> None:
         self.version, self.loaded = 0, asyncio.Event()
 
+    async def prepare_weights(self, named_tensors: Any) -> Any:
+        return named_tensors  # nothing to stage
+
     async def apply_weights(self, named_tensors: Any, version: int) -> None:
         self.version = version
         self.loaded.set()
