@@ -1,16 +1,16 @@
-"""`make test` as two pytest processes side by side: the lane of single-process tests (CPU-bound, one
-thread each: `-m "not slow and not ray and not vllm"`) and the lane of the rest (local Ray, the vLLM
-engine, multi-process runs: mostly processes waiting on each other). On the 2-core CI machine the second
-lane leaves about a core idle, which the first lane fills: the suite takes about the second lane's time
-instead of the sum. Each lane is still one pytest session, so the slow lane keeps sharing its one Ray
-instance and its one vLLM engine.
+"""`make test` as three pytest processes side by side: the tests on local Ray (`-m ray`: roles in their
+own processes, mostly waiting on each other), the other slow and vLLM tests (`-m "not ray and (slow or
+vllm)"`: the shared vLLM engine, multi-process learners) and the single-process tests (CPU-bound, one
+thread each: `-m "not slow and not ray and not vllm"`). On the 2-core CI machine the Ray lane leaves about
+a core idle, which the others fill: the suite takes about the Ray lane's time instead of the sum. Each
+lane is one pytest session, so the Ray lane keeps one Ray instance and the second lane one vLLM engine.
 
-    python tools/test_lanes.py            # both lanes; exit status 0 only when both pass
-    python tools/test_lanes.py -x -k foo  # extra pytest arguments go to both lanes
+    python tools/test_lanes.py            # every lane; exit status 0 only when all pass
+    python tools/test_lanes.py -x -k foo  # extra pytest arguments go to every lane
 
-The slow lane writes to the terminal as it runs; the quick lane's output goes to a log file
-(`TREEOPSD_QUICK_LOG`, default /tmp/treeopsd-quick-lane.log) and is printed when that lane ends, so the two
-never interleave. Each lane has its own pytest base temporary directory.
+The Ray lane writes to the terminal as it runs; the other lanes' output goes to log files
+(`TREEOPSD_LANE_LOGS`, default /tmp: treeopsd-lane-<name>.log) printed when all have ended, so they never
+interleave. Each lane has its own pytest base temporary directory.
 """
 
 from __future__ import annotations
@@ -22,35 +22,57 @@ import tempfile
 import time
 from pathlib import Path
 
-QUICK = "not slow and not ray and not vllm"
-SLOW = "slow or ray or vllm"
+LANES = {  # name -> marker expression; the first lane writes to the terminal
+    "ray": "ray",
+    "slow": "not ray and (slow or vllm)",
+    "quick": "not slow and not ray and not vllm",
+}
 
 
 def lane_command(marker: str, basetemp: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-m", marker, f"--basetemp={basetemp}", *extra]
+    # the slowest tests of each lane are listed at its end: where the next minutes of CI time go
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        marker,
+        f"--basetemp={basetemp}",
+        "--durations=15",
+        *extra,
+    ]
 
 
 def main(extra: list[str]) -> int:
     root = Path(tempfile.mkdtemp(prefix="treeopsd-lanes-"))
-    log_path = Path(os.environ.get("TREEOPSD_QUICK_LOG", "/tmp/treeopsd-quick-lane.log"))
+    log_dir = Path(os.environ.get("TREEOPSD_LANE_LOGS", tempfile.gettempdir()))
+    (first, first_marker), *others = LANES.items()
     t0 = time.monotonic()
-    with log_path.open("w") as log:
-        quick = subprocess.Popen(
-            lane_command(QUICK, root / "quick", extra), stdout=log, stderr=subprocess.STDOUT
+    logs = {name: log_dir / f"treeopsd-lane-{name}.log" for name, _ in others}
+    handles = {name: path.open("w") for name, path in logs.items()}
+    procs = {
+        name: subprocess.Popen(
+            lane_command(marker, root / name, extra), stdout=handles[name], stderr=subprocess.STDOUT
         )
-        slow_rc = subprocess.call(lane_command(SLOW, root / "slow", extra))
-        quick_rc = quick.wait()
-    print(f"\n==== quick lane ({QUICK}), log {log_path} ====", flush=True)
-    sys.stdout.write(log_path.read_text())
+        for name, marker in others
+    }
+    codes = {first: subprocess.call(lane_command(first_marker, root / first, extra))}
+    codes.update({name: proc.wait() for name, proc in procs.items()})
+    for name, path in logs.items():
+        handles[name].close()
+        print(f"\n==== lane {name} ({LANES[name]}), log {path} ====", flush=True)
+        sys.stdout.write(path.read_text())
     took = time.monotonic() - t0
-    print(f"\n==== lanes: slow exit {slow_rc}, quick exit {quick_rc}; {took / 60:.1f} min in all ====")
-    return _combined(slow_rc, quick_rc)
+    exits = ", ".join(f"{name} exit {rc}" for name, rc in codes.items())
+    print(f"\n==== lanes: {exits}; {took / 60:.1f} min in all ====")
+    return combined(list(codes.values()))
 
 
-def _combined(slow_rc: int, quick_rc: int) -> int:
-    """Exit status of the whole: 0 when both passed; pytest's 5 (no test selected, e.g. a -k that matches
-    only one lane) counts as passed for that lane unless both selected nothing."""
-    codes = [rc for rc in (slow_rc, quick_rc) if rc != 5]
+def combined(exit_codes: list[int]) -> int:
+    """Exit status of the whole: 0 when every lane passed; pytest's 5 (no test selected, e.g. a -k that
+    matches only one lane) counts as passed for that lane unless no lane selected anything."""
+    codes = [rc for rc in exit_codes if rc != 5]
     if not codes:
         return 5
     return next((rc for rc in codes if rc != 0), 0)

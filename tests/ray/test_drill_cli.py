@@ -14,7 +14,7 @@ import pytest
 from tests.cli_runs import ROOT, run_small
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-STEPS = 16  # kills in steps 1-8, then 8 steps to heal before the end
+STEPS = 12  # kills in steps 1-6, then 6 steps to heal before the end
 
 
 def test_train_reaches_its_steps_with_every_role_killed_once(tmp_path, tiny_model_dir):
