@@ -29,7 +29,8 @@ def test_a_sampler_killed_holding_a_reservation_gives_it_back_and_keeps_its_tree
     stats = lambda: ray.get(topo.store.stats.remote())  # noqa: E731
     try:
         driver = Driver(cfg, topo, MemorySink())  # driven by hand below: one sampler call at a time
-        ((victim, pid),) = pids(topo).items()
+        # the sampler's constructor may still be loading (CI runs the other test lanes beside this one)
+        ((victim, pid),) = wait_until(lambda: pids(topo), timeout_s=300, interval_s=1).items()
 
         manager = topo.manager
 
