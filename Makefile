@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 	bash launch/setup_venv.sh $(VENV)
 	touch $(STAMP)
 
-# Three pytest lanes side by side (tools/test_lanes.py): the Ray tests, the other slow/vLLM ones, the rest.
+# Four pytest lanes side by side (tools/test_lanes.py): the Ray tests in two, the other slow/vLLM ones, the rest.
 test: $(STAMP)
 	$(PY) tools/test_lanes.py $(PYTEST_ARGS)
 

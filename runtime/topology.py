@@ -39,7 +39,7 @@ def required_cpus(cfg: Config) -> float:
 
 
 def init_ray(cfg: Config | None = None) -> None:
-    """Joins RAY_ADDRESS if set (a cluster started by launch/cluster.sh), else starts a local instance.
+    """Joins RAY_ADDRESS if set (a cluster started by launch/cluster.sh), else starts a local one of its own.
 
     A local instance advertises at least the CPUs the roles ask for: samplers and the learner mostly wait on
     each other, so on a 2-core laptop 2 samplers + learner still run (oversubscribed) instead of hanging.
@@ -55,7 +55,9 @@ def init_ray(cfg: Config | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        # "local": a new instance even when a `ray start` cluster runs on this machine (a bare ray.init()
+        # would join it, and then refuse num_cpus): two runs, or two test lanes, never share one by accident
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
 
 
 def role_options(cfg: Config, role: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.ray
 def ray_local():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     if started:
         ray.shutdown()
