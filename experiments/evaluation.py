@@ -90,6 +90,8 @@ def _sampled(cfg, model_path, tasks, env, batch, progress, samples) -> dict[str,
         "sampled_success": stats["success"],
         "pass_at_k": round(hit, 4),
         "sampled": stats,
+        # each task's mean reward over its samples: paired comparisons with less sampling noise
+        "sampled_task_rewards": {k: sum(v) / len(v) for k, v in per_task.items()},
     }
 
 
@@ -105,7 +107,7 @@ def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> l
     from system.tree_build import TreeBuilder
 
     tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
-    chat, agent_env = bind_protocol(cfg.env, tokenizer, env)  # env.protocol, as in training
+    chat, agent_env = bind_protocol(cfg.env, tokenizer, env, evaluation=True)  # env.protocol, as in training
     recorder, limits, rows = _FinalSteps(agent_env), loop_limits(cfg), []
     with tqdm(
         total=len(tasks), desc=f"eval {label}", unit="task", disable=not progress, mininterval=1.0

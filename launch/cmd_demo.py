@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     print("[4/4] evaluating the trained model", file=sys.stderr)
     after = evaluate_split(cfg, summary["checkpoint"])
     report = demo_report(before, after, summary, Path(run_dir))
+    report["command"] = demo_command(args.config)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     write_atomic(Path(run_dir, "demo.json"), json.dumps(report, indent=2).encode())
     write_atomic(Path(run_dir, "demo.md"), render_markdown(report).encode())
@@ -74,7 +75,7 @@ def demo_report(before: dict, after: dict, summary: dict, run_dir: Path) -> dict
     from experiments.evaluation import paired_difference
 
     gain, se, n = paired_difference(before.pop("task_rewards"), after.pop("task_rewards"))
-    return {
+    report = {
         "success_before": before["success"],
         "success_after": after["success"],
         "per_hop_before": before.get("per_hop"),
@@ -82,6 +83,8 @@ def demo_report(before: dict, after: dict, summary: dict, run_dir: Path) -> dict
         "success_gain": round(gain, 4),
         "success_gain_paired_se": round(se, 4),
         "paired_tasks": n,
+        "answers_before": answer_shares(before),
+        "answers_after": answer_shares(after),
         "train_reward_windows": reward_windows(_reward_points(run_dir), WINDOW),
         "steps": summary["steps"],
         "train_s": round(summary["elapsed_s"], 1),
@@ -89,6 +92,34 @@ def demo_report(before: dict, after: dict, summary: dict, run_dir: Path) -> dict
         "tensorboard": f"tensorboard --logdir {(run_dir / 'tb').resolve()} --host 127.0.0.1",
         "checkpoint": summary["checkpoint"],
     }
+    if "sampled_task_rewards" in before and "sampled_task_rewards" in after:
+        key = "sampled_task_rewards"
+        s_gain, s_se, _ = paired_difference(before.pop(key), after.pop(key))
+        report["sampled"] = {
+            "samples": after["samples"],
+            "success_before": before["sampled_success"],
+            "success_after": after["sampled_success"],
+            "gain": round(s_gain, 4),
+            "gain_paired_se": round(s_se, 4),
+        }
+    return report
+
+
+def answer_shares(result: dict) -> dict:
+    """Greedy episodes' F1 and the shares that answered and that were malformed (a turn with no call)."""
+    finish, n = result.get("finish", {}), max(result.get("n", 0), 1)
+    return {
+        "f1": result.get("f1", 0.0),
+        "answered": result.get("answered", 0.0),
+        "malformed": round(finish.get("malformed", 0) / n, 4),
+    }
+
+
+def demo_command(config: str | None) -> str:
+    """How the report names its run: `make demo` for the embedded default, else the demo command."""
+    if config is None or Path(config).resolve() == Path("configs/default.yaml").resolve():
+        return "make demo"
+    return f"treeopsd demo --config {config}"
 
 
 WINDOW = 20  # steps per window of the printed training-reward curve
@@ -125,12 +156,29 @@ def render_markdown(report: dict) -> str:
     lines = [
         "# Demo",
         "",
-        f"`make demo`: {report['steps']} asynchronous TreeOPSD steps in {report['train_s']:.0f} s, "
+        f"`{report.get('command', 'make demo')}`: {report['steps']} asynchronous TreeOPSD steps in "
+        f"{report['train_s']:.0f} s, "
         f"{report.get('wall_s', float('nan')) / 60:.1f} min from start to end.",
         "",
         f"* held-out success (greedy, {report['paired_tasks']} questions): {before:.3f} before → {after:.3f} "
         f"after, {gain:+.3f} ± {se:.3f} (paired standard error; {ratio} SE)",
     ]
+    sampled = report.get("sampled")
+    if sampled:
+        s_se = sampled["gain_paired_se"]
+        s_ratio = f"{sampled['gain'] / s_se:.1f}" if s_se and s_se > 0 else "n/a"
+        lines.append(
+            f"* held-out success (temperature 1, {sampled['samples']} per question): "
+            f"{sampled['success_before']:.3f} before → {sampled['success_after']:.3f} after, "
+            f"{sampled['gain']:+.3f} ± {s_se:.3f} (paired over questions; {s_ratio} SE)"
+        )
+    shares = report.get("answers_before"), report.get("answers_after")
+    if all(shares):
+        b, a = shares
+        lines.append(
+            f"* greedy answers: answered {b['answered']:.2f} → {a['answered']:.2f}, malformed "
+            f"{b['malformed']:.2f} → {a['malformed']:.2f}, F1 {b['f1']:.3f} → {a['f1']:.3f}"
+        )
     for h in hops:
         b, a = report["per_hop_before"][h], report["per_hop_after"][h]
         lines.append(f"* {h}-hop ({b['n']} questions): {b['success']:.3f} → {a['success']:.3f}")

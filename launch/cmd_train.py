@@ -160,4 +160,6 @@ def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
     with local_retrieval(cfg) as cfg:  # the run's own service lives only inside `train`
         env = build_env(cfg)
         tasks = take(load_split(cfg, "eval", env), cfg.run.eval_tasks)
-        return evaluate(cfg, model_path, tasks, env, progress=cfg.logging.progress)
+        return evaluate(
+            cfg, model_path, tasks, env, progress=cfg.logging.progress, samples=cfg.run.eval_samples
+        )

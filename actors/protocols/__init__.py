@@ -52,11 +52,15 @@ def make_protocol(name: str, tokenizer: Any, env: Any, enable_thinking: bool = T
 
 
 class ProtocolEnv:
-    """The environment under a protocol: its system prompt and parser; an answer before any search call
-    gets reward 0 with `require_search` (EM/F1 are still reported). Everything else is the env's."""
+    """The environment under a protocol: its system prompt and parser; with `reward="f1"` an answer earns
+    its token F1 instead of the env's reward (partial credit: a sparse EM gives most trees no contrast);
+    an answer before any search call gets reward 0 with `require_search` (EM/F1 are still reported).
+    Everything else is the env's."""
 
-    def __init__(self, env: Any, protocol: AgentProtocol, require_search: bool = False) -> None:
-        self.env, self.protocol, self.require_search = env, protocol, require_search
+    def __init__(
+        self, env: Any, protocol: AgentProtocol, require_search: bool = False, reward: str = "em"
+    ) -> None:
+        self.env, self.protocol, self.require_search, self.reward_kind = env, protocol, require_search, reward
 
     def __getattr__(self, name: str) -> Any:
         if name == "env":  # not set yet (copy/unpickle make the object first): no endless recursion
@@ -71,6 +75,8 @@ class ProtocolEnv:
 
     def step(self, task: Task, history: Sequence[ToolCall], action_text: str) -> StepResult:
         result: StepResult = self.env.step_parsed(task, history, self.protocol.parse(action_text))
+        if self.reward_kind == "f1" and "f1" in result.info:
+            result = replace(result, reward=float(result.info["f1"]))
         if (
             self.require_search
             and result.info.get("finish") == FINISH_ANSWER
@@ -80,8 +86,12 @@ class ProtocolEnv:
         return result
 
 
-def bind_protocol(env_cfg: Any, tokenizer: Any, env: Any) -> tuple[AgentProtocol, ProtocolEnv]:
+def bind_protocol(
+    env_cfg: Any, tokenizer: Any, env: Any, evaluation: bool = False
+) -> tuple[AgentProtocol, ProtocolEnv]:
     """The configured protocol (`env.protocol`, `env.enable_thinking`) for this tokenizer and env, and the
-    env wrapped for it (`env.require_search`)."""
+    env wrapped for it (`env.require_search`, `env.reward`). An evaluation scores answers by EM whatever
+    the training reward, so success means the same in every run."""
     protocol = make_protocol(env_cfg.protocol, tokenizer, env, env_cfg.enable_thinking)
-    return protocol, ProtocolEnv(env, protocol, env_cfg.require_search)
+    reward = "em" if evaluation else env_cfg.reward
+    return protocol, ProtocolEnv(env, protocol, env_cfg.require_search, reward)

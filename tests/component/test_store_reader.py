@@ -10,6 +10,8 @@ points of a commit: torn temp file, before the rename, after it). It proves:
     whole commits        at every poll each commit's ids are all visible or none: they first appear together
     acknowledged ⇒ seen  every id the writer printed "ok" for is visible to the reader's last poll
     seen ⇒ started       no visible id without a "begin" line of its commit
+    live reads           in 4 rounds the reader sees the writer's first acknowledged commit while that
+                         writer still runs and commits (the kill waits for it)
     recovery             a writable reopen quarantines only temp files (never a segment); verify_store is ok
 """
 
@@ -31,6 +33,7 @@ from test_store_crash import ROOT, WRITER, _outcome, _writer
 from waiting import wait_until
 
 RANDOM_KILLS = 12
+LIVE_ROUNDS = 4  # random kills that first wait for the reader to see the live writer's commit
 EXACT = ["torn_tmp", "before_rename", "after_rename"]  # the writer kills itself there (store_writer._arm)
 READER_MAX_S = 150  # the reader stops by itself after this, should the parent never close its stdin
 
@@ -60,6 +63,10 @@ class Reader:
             else:
                 self.errors.append(line.strip())
 
+    def seen(self) -> set[int]:
+        """Every id some poll has reported so far."""
+        return {i for _, new in list(self.polls) for i in new}
+
     def wait_fresh_poll(self) -> None:
         """Until a poll that began after now has finished (the one in flight may have begun before)."""
         n = len(self.polls)
@@ -74,20 +81,29 @@ class Reader:
         assert not self._thread.is_alive()
 
 
-def _round(d: Path, first: int, die_at: str | None, rng: random.Random) -> tuple[str, set[int], int]:
+def _round(
+    d: Path, first: int, die_at: str | None, rng: random.Random, reader: Reader | None = None
+) -> tuple[str, set[int], int, bool]:
     """A writer from id `first` dies (at `die_at`, or killed at a random moment): (its output, acknowledged
-    ids, highest id begun)."""
+    ids, highest id begun, whether the reader saw it live). Given a `reader`, the kill waits until the
+    reader has seen the writer's first acknowledged commit while the writer still runs and commits."""
     child = _writer(d, first, die_at)
-    head = ""
+    head, live = "", False
     if die_at is None:
         head = child.stdout.readline()  # the first "begin": aim the kill at commits, not at start-up
+        if reader is not None:
+            while not head.splitlines()[-1].startswith("ok"):
+                head += child.stdout.readline()
+            ids = {int(i) for i in head.splitlines()[-1].split()[1:]}
+            wait_until(lambda: ids <= reader.seen() or child.poll() is not None, timeout_s=30)
+            live = child.poll() is None and ids <= reader.seen()
         # a random moment to kill at (not a wait for anything): at once, inside a commit, or commits later
         time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.003), rng.uniform(0.0, 0.03), rng.uniform(0, 0.2)]))
         child.kill()
     child.wait(timeout=30)  # an armed writer kills itself inside its 2nd commit
     out = head + child.stdout.read()
     acked, _, top = _outcome(child, out)  # asserts the SIGKILL; its own read() finds the pipe at EOF
-    return out, acked, top
+    return out, acked, top, live
 
 
 def _commits(out: str) -> list[tuple[int, ...]]:
@@ -134,11 +150,15 @@ def test_reader_never_sees_half_a_commit_while_writers_are_killed(tmp_path):
     d, next_id, reader = tmp_path / "s", 0, None
     begun: list[tuple[int, ...]] = []
     acked: set[int] = set()
+    lives: list[bool] = []  # per round whose kill waited for the reader
     started = time.monotonic()
     try:
         for die_at in plan:
-            out, acked_now, top = _round(d, next_id, die_at, rng)
+            # the first LIVE_ROUNDS random kills wait until the reader saw the live writer's first commit
+            watch = reader if die_at is None and len(lives) < LIVE_ROUNDS else None
+            out, acked_now, top, live = _round(d, next_id, die_at, rng, watch)
             begun, acked, next_id = begun + _commits(out), acked | acked_now, max(next_id, top + 1)
+            lives += [live] if watch else []
             reader = reader or Reader(d)  # the first writer created the store
             reader.wait_fresh_poll()  # the reader polls the store the kill left, before the next writer
         reader.finish()
@@ -149,9 +169,11 @@ def test_reader_never_sees_half_a_commit_while_writers_are_killed(tmp_path):
     seen = _check_whole_commits(reader, begun, acked)
     with_temp = sum(1 for temp, _ in reader.polls if temp)
     assert with_temp >= 2, "the reader never polled while a killed commit's temp file was on disk"
-    # a writer's trees can show up at more than one poll only if a poll ran while it was committing
     with_news = sum(1 for _, new in reader.polls if new)
-    assert with_news > len(plan), f"new trees at only {with_news} polls: no poll overlapped a live writer"
+    # a reader polling beside a live writer sees each commit it acknowledged (not only after its death)
+    assert len(lives) == LIVE_ROUNDS and all(lives), (
+        f"rounds whose reader saw their live writer's commit: {lives}"
+    )
     moved = _check_recovery(d, seen)
     print(
         f"{len(plan)} kills in {time.monotonic() - started:.1f} s: {len(reader.polls)} polls "

@@ -40,3 +40,46 @@ def test_demo_markdown_reads_the_report():
     assert "0.325 before → 0.500 after, +0.175 ± 0.053 (paired standard error; 3.3 SE)" in md
     assert "200 asynchronous TreeOPSD steps in 290 s, 7.0 min" in md
     assert "* 4-hop (40 questions): 0.650 → 0.700" in md and "0.16 → 0.30" in md
+
+
+def test_demo_report_pairs_sampled_success_and_shows_how_answers_ended(tmp_path):
+    from launch.cmd_demo import demo_report, render_markdown
+
+    def result(greedy, sampled, answered, malformed, f1):
+        n = len(greedy)
+        finish = {"answer": round(answered * n), "malformed": round(malformed * n)}
+        return {
+            "success": sum(greedy.values()) / n,
+            "n": n,
+            "f1": f1,
+            "answered": answered,
+            "finish": finish,
+            "task_rewards": greedy,
+            "samples": 4,
+            "sampled_success": sum(sampled.values()) / n,
+            "sampled_task_rewards": sampled,
+        }
+
+    before = result(
+        {"a": 0.0, "b": 0.0, "c": 1.0, "d": 0.0}, {"a": 0.0, "b": 0.25, "c": 0.5, "d": 0.0}, 0.5, 0.25, 0.1
+    )
+    after = result(
+        {"a": 1.0, "b": 0.0, "c": 1.0, "d": 0.0}, {"a": 0.5, "b": 0.5, "c": 0.75, "d": 0.25}, 1.0, 0.0, 0.4
+    )
+    summary = {"steps": 10, "elapsed_s": 60.0, "checkpoint": "ck"}
+    report = demo_report(before, after, summary, tmp_path)
+    # sampled d = (0.5, 0.25, 0.25, 0.25): mean 0.3125, sample variance (3·0.0625² + 0.1875²)/3 = 0.015625,
+    # SE = sqrt(0.015625 / 4) = 0.0625
+    assert report["sampled"] == {
+        "samples": 4,
+        "success_before": 0.1875,
+        "success_after": 0.5,
+        "gain": 0.3125,
+        "gain_paired_se": 0.0625,
+    }
+    assert report["answers_before"] == {"f1": 0.1, "answered": 0.5, "malformed": 0.25}
+    assert report["answers_after"] == {"f1": 0.4, "answered": 1.0, "malformed": 0.0}
+    md = render_markdown({**report, "wall_s": 90.0})
+    assert "(temperature 1, 4 per question): 0.188 before → 0.500 after, +0.312 ± 0.062" in md
+    assert "(paired over questions; 5.0 SE)" in md
+    assert "answered 0.50 → 1.00, malformed 0.25 → 0.00, F1 0.100 → 0.400" in md

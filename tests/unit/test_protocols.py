@@ -218,3 +218,22 @@ def test_require_search_gates_an_answer_given_before_any_search(env, qtok):
     assert gated.reward == 0.0 and gated.info["em"] == 1.0 and gated.info["gated"] == "no_search"
     after = ProtocolEnv(env, p, require_search=True).step(task, [ToolCall("search", {"query": "q"})], answer)
     assert after.reward == 1.0
+
+
+def test_f1_reward_gives_partial_credit_in_training_and_evaluation_still_scores_em(env, qtok):
+    from actors.protocols import bind_protocol
+    from configs.schema import load_config
+
+    task = env.tasks("train", n=1)[0]
+    gold = task.answers[0]
+    assert len(gold.split()) == 1  # a one-word entity name: the arithmetic below relies on it
+    answer = f'<tool_call>{{"name": "answer", "arguments": {{"answer": "{gold} city"}}}}</tool_call>'
+    env_cfg = load_config(overrides=["env.reward=f1"]).env
+    _, training = bind_protocol(env_cfg, qtok, env)
+    step = training.step(task, [], answer)
+    # prediction "<gold> city" against "<gold>": precision 1/2, recall 1, F1 = 2·(1/2)·1 / (3/2) = 2/3; EM 0
+    assert step.reward == pytest.approx(2 / 3) and step.info["em"] == 0.0
+    _, evaluation = bind_protocol(env_cfg, qtok, env, evaluation=True)
+    assert evaluation.step(task, [], answer).reward == 0.0  # success stays EM whatever env.reward says
+    _, default = bind_protocol(load_config().env, qtok, env)
+    assert default.step(task, [], answer).reward == 0.0
