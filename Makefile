@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 	bash launch/setup_venv.sh $(VENV)
 	touch $(STAMP)
 
-# Four pytest lanes side by side (tools/test_lanes.py): the Ray tests in two, the other slow/vLLM ones, the rest.
+# Three pytest lanes side by side (tools/test_lanes.py): the Ray tests, the other slow/vLLM ones (then the
+# real-model Ray test), the rest.
 test: $(STAMP)
 	$(PY) tools/test_lanes.py $(PYTEST_ARGS)
 
