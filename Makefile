@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 	touch $(STAMP)
 
 # Three pytest lanes side by side (tools/test_lanes.py): the Ray tests, the other slow/vLLM ones (then the
-# real-model Ray test), the rest.
+# longest Ray tests that run treeopsd as a child process), the rest.
 test: $(STAMP)
 	$(PY) tools/test_lanes.py $(PYTEST_ARGS)
 

@@ -4,10 +4,12 @@ vllm)"`: the shared vLLM engine, multi-process learners) and the single-process 
 thread each: `-m "not slow and not ray and not vllm"`). On the 2-core CI machine the Ray lane leaves part of
 a core idle, which the others fill: the suite takes about its longest lane's time instead of the sum.
 
-A lane is one or more pytest sessions in a row. The slow lane ends with the real-model run on Ray
-(REAL_MODEL, the longest Ray test): the slow and quick lanes end within about 8 minutes, and the Ray lane
-would otherwise run it alone at the end; a Ray test run in its own session gets a Ray instance of its own
-(init_ray starts a local one even beside another). Each session keeps one Ray instance or one vLLM engine.
+A lane is one or more pytest sessions in a row. The slow lane ends with the longest Ray tests that run
+`treeopsd` as a child process (OWN_INSTANCE: the real-model run, the CLI drill, the soak): the slow and
+quick lanes' own tests end within about 8 minutes, and the Ray lane would otherwise run these alone at the
+end; a Ray test run in its own session gets a Ray instance of its own (init_ray starts a local one even
+beside another). Each session keeps one Ray instance or one vLLM engine. The last line gives each lane's
+minutes: where to move tests next.
 
     python tools/test_lanes.py            # every lane; exit status 0 only when all pass
     python tools/test_lanes.py -x -k foo  # extra pytest arguments go to every session
@@ -28,11 +30,19 @@ import time
 from pathlib import Path
 from typing import IO
 
-REAL_MODEL = "tests/ray/test_real_model_e2e.py"
+Ended = tuple[int, float]  # a lane's exit status and its minutes
+
+# Ray tests that run `treeopsd` as a child process (its own Ray instance): they go in any lane, and these,
+# the longest, follow the slow lane's own tests so that the two lanes end near each other.
+OWN_INSTANCE = [
+    "tests/ray/test_real_model_e2e.py",
+    "tests/ray/test_drill_cli.py",
+    "tests/ray/test_supervision_soak.py",
+]
 
 LANES = {  # name -> the pytest selections it runs one after the other; the first lane writes to the terminal
-    "ray": [["-m", "ray", f"--ignore={REAL_MODEL}"]],
-    "slow": [["-m", "not ray and (slow or vllm)"], ["-m", "ray", REAL_MODEL]],
+    "ray": [["-m", "ray", *(f"--ignore={path}" for path in OWN_INSTANCE)]],
+    "slow": [["-m", "not ray and (slow or vllm)"], ["-m", "ray", *OWN_INSTANCE]],
     "quick": [["-m", "not slow and not ray and not vllm"]],
 }
 
@@ -43,13 +53,14 @@ def lane_command(selection: list[str], basetemp: Path, extra: list[str]) -> list
     return [*pytest, *selection, f"--basetemp={basetemp}", "--durations=15", *extra]
 
 
-def run_lane(name: str, root: Path, extra: list[str], out: IO[str] | None, codes: dict[str, int]) -> None:
-    """The lane's sessions in a row (each runs even when an earlier one failed); its combined exit status."""
-    results = []
+def run_lane(name: str, root: Path, extra: list[str], out: IO[str] | None, ended: dict[str, Ended]) -> None:
+    """The lane's sessions in a row (each runs even when an earlier one failed); its combined exit status and
+    its minutes."""
+    results, t0 = [], time.monotonic()
     for i, selection in enumerate(LANES[name]):
         command = lane_command(selection, root / f"{name}-{i}", extra)
         results.append(subprocess.call(command, stdout=out, stderr=subprocess.STDOUT if out else None))
-    codes[name] = combined(results)
+    ended[name] = (combined(results), (time.monotonic() - t0) / 60)
 
 
 def main(extra: list[str]) -> int:
@@ -59,13 +70,13 @@ def main(extra: list[str]) -> int:
     t0 = time.monotonic()
     logs = {name: log_dir / f"treeopsd-lane-{name}.log" for name in others}
     handles = {name: path.open("w") for name, path in logs.items()}
-    codes: dict[str, int] = {}
+    ended: dict[str, Ended] = {}
     threads = [
-        threading.Thread(target=run_lane, args=(name, root, extra, handles[name], codes)) for name in others
+        threading.Thread(target=run_lane, args=(name, root, extra, handles[name], ended)) for name in others
     ]
     for thread in threads:
         thread.start()
-    run_lane(first, root, extra, None, codes)
+    run_lane(first, root, extra, None, ended)
     for thread in threads:
         thread.join()
     for name, path in logs.items():
@@ -74,9 +85,9 @@ def main(extra: list[str]) -> int:
         print(f"\n==== lane {name} ({sessions}), log {path} ====", flush=True)
         sys.stdout.write(path.read_text())
     took = time.monotonic() - t0
-    exits = ", ".join(f"{name} exit {codes[name]}" for name in LANES)
+    exits = ", ".join(f"{name} exit {ended[name][0]} in {ended[name][1]:.1f} min" for name in LANES)
     print(f"\n==== lanes: {exits}; {took / 60:.1f} min in all ====")
-    return combined([codes[name] for name in LANES])
+    return combined([ended[name][0] for name in LANES])
 
 
 def combined(exit_codes: list[int]) -> int:

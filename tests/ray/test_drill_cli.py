@@ -1,6 +1,6 @@
-"""The fire drill through the CLI (`treeopsd drill`, launch/cmd_drill.py): `treeopsd train --steps 16` as a
+"""The fire drill through the CLI (`treeopsd drill`, launch/cmd_drill.py): `treeopsd train --steps 12` as a
 child process, a sampler, the backup, the store and the learner each SIGKILLed once at random steps, and the
-run reaches step 16 by itself, exits 0, `treeopsd store verify` is clean, and every batch index is trained
+run reaches step 12 by itself, exits 0, `treeopsd store verify` is clean, and every batch index is trained
 exactly once — read from the learner's metrics (tensorboard) and the store's consumed log."""
 
 from __future__ import annotations
