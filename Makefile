@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 	touch $(STAMP)
 
 # Three pytest lanes side by side (tools/test_lanes.py): the Ray tests, the other slow/vLLM ones (then the
-# longest Ray tests that run treeopsd as a child process), the rest.
+# Ray tests that need no shared instance), the rest; the last line gives each lane's minutes.
 test: $(STAMP)
 	$(PY) tools/test_lanes.py $(PYTEST_ARGS)
 

@@ -4,12 +4,12 @@ vllm)"`: the shared vLLM engine, multi-process learners) and the single-process 
 thread each: `-m "not slow and not ray and not vllm"`). On the 2-core CI machine the Ray lane leaves part of
 a core idle, which the others fill: the suite takes about its longest lane's time instead of the sum.
 
-A lane is one or more pytest sessions in a row. The slow lane ends with the longest Ray tests that run
-`treeopsd` as a child process (OWN_INSTANCE: the real-model run, the CLI drill, the soak): the slow and
-quick lanes' own tests end within about 8 minutes, and the Ray lane would otherwise run these alone at the
-end; a Ray test run in its own session gets a Ray instance of its own (init_ray starts a local one even
-beside another). Each session keeps one Ray instance or one vLLM engine. The last line gives each lane's
-minutes: where to move tests next.
+A lane is one or more pytest sessions in a row. The slow lane ends with Ray tests that need no shared
+instance (OWN_INSTANCE: the real-model run, the CLI drill, the soak, Ctrl-C and resume, the node drill):
+the slow and quick lanes' own tests end within about 9 minutes, and the Ray lane would otherwise run these
+alone at the end; a Ray test run in its own session gets a Ray instance of its own (init_ray starts a local
+one even beside another). Each session keeps one Ray instance or one vLLM engine. The last line gives each
+lane's minutes: where to move tests next.
 
     python tools/test_lanes.py            # every lane; exit status 0 only when all pass
     python tools/test_lanes.py -x -k foo  # extra pytest arguments go to every session
@@ -32,12 +32,15 @@ from typing import IO
 
 Ended = tuple[int, float]  # a lane's exit status and its minutes
 
-# Ray tests that run `treeopsd` as a child process (its own Ray instance): they go in any lane, and these,
-# the longest, follow the slow lane's own tests so that the two lanes end near each other.
+# Ray tests that start a Ray instance or cluster of their own (`treeopsd` as a child process, a fake
+# multi-node cluster) or the real model: they go in any lane, and these follow the slow lane's own tests so
+# that the two lanes end near each other (the last line of `make test` gives each lane's minutes).
 OWN_INSTANCE = [
     "tests/ray/test_real_model_e2e.py",
     "tests/ray/test_drill_cli.py",
     "tests/ray/test_supervision_soak.py",
+    "tests/ray/test_supervision_signals.py",
+    "tests/ray/test_node_drill.py",
 ]
 
 LANES = {  # name -> the pytest selections it runs one after the other; the first lane writes to the terminal
