@@ -36,9 +36,12 @@ def build_env(cfg: Config) -> Environment:
     index = service_client(e)  # None: the environment builds its in-process BM25 index
     if e.name == "synthetic_kb":
         from actors.envs.synthetic_kb import KBConfig
+        from actors.envs.thinking import chunks_for
 
-        kb = KBConfig(seed=e.seed)
-        return make_env(e.name, config=kb, topk=e.topk, max_turns=e.max_turns, index=index)
+        kb, think = KBConfig(seed=e.seed), chunks_for(e.think_tokens)
+        return make_env(
+            e.name, config=kb, topk=e.topk, max_turns=e.max_turns, index=index, think_chunks=think
+        )
     if e.name == "multihop_qa" and index is not None:  # the corpus lives in the service
         return make_env(e.name, corpus_index=index, topk=e.topk, max_turns=e.max_turns)
     if e.corpus is None:

@@ -33,14 +33,17 @@ class AlgoConfig(Section):
     # auto (resolved at load by `resolve_offpolicy`): step_start with the method's correction in
     # run.mode = async, where turns come from older versions; behavior with none in sync mode
     proximal: Literal["auto", "behavior", "step_start"] = "auto"
+    # auto: token_tis in an off-policy run, for every method (the evidence: docs/algorithm.md §11.1)
     rollout_correction: Literal[
-        "auto", "none", "token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis"
+        "auto", "none", "token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis", "tr_mask"
     ] = "auto"
     is_threshold: Annotated[Float, Field(gt=1)] = (
         2.0  # C: the *_tis weights are min(ratio, C); prod_mis's cut
     )
     mask_band: Band = (0.5, 2.0)  # token_mask keeps tokens whose ratio π_prox/μ is inside [low, high]
     geo_band: Band = (0.9, 1.1)  # geo_mask keeps units whose geometric-mean ratio is inside [low, high]
+    # tr_mask drops a unit (a turn, or a path) whose largest token k3 = r − 1 − log r exceeds this bound
+    tr_bound: Annotated[Float, Field(gt=0)] = 0.1
     grpo_clip: Clip = (0.2, 0.2)
     gspo_clip: Clip = (3e-4, 4e-4)
     treepo_clip: Clip = (0.2, 0.28)
@@ -69,15 +72,17 @@ class AlgoConfig(Section):
 
     @model_validator(mode="after")
     def _correction_fits_method(self) -> Self:
-        # docs/algorithm.md §11.1: TreeOPSD's credit is per turn, so only the turn's product ratio corrects
-        # it; the PPO-family losses centred on π_prox with μ's samples left uncorrected are worse than
-        # centring them on μ (proximal = behavior)
+        # docs/algorithm.md §11.1: at real turn lengths the per-token weight gives the step nearest π_prox's
+        # on-policy gradient (the product is exact only untruncated, and truncating it selects on credit);
+        # the geometric-mean and token-band weights weigh a turn by numbers that are no likelihood ratio of
+        # anything. The PPO-family losses centred on π_prox with μ's samples left uncorrected are worse
+        # than centring them on μ (proximal = behavior).
         mode = self.rollout_correction
         if self.method == "treeopsd":
-            ok = mode in ("auto", "none", "prod_tis", "prod_mis")
+            ok = mode in ("auto", "none", "token_tis", "prod_tis", "prod_mis", "tr_mask")
             why = (
-                "none, prod_tis or prod_mis with algo.method = treeopsd (token and geometric-mean weights "
-                "are biased on turns of more than one token)"
+                "none, token_tis, prod_tis, prod_mis or tr_mask with algo.method = treeopsd (geometric-mean "
+                "and token-band weights are biased on turns of more than one token)"
             )
             return rule(self, ok, "rollout_correction", why)
         ok = not (self.proximal == "step_start" and mode == "none")
@@ -101,10 +106,7 @@ class AlgoConfig(Section):
             stale = off_policy and self.behavior_logprobs == "sampler"
             proximal = out["proximal"] = "step_start" if stale else "behavior"
         if self.rollout_correction == "auto":
-            tree = self.method == "treeopsd"
-            out["rollout_correction"] = (
-                "none" if proximal == "behavior" else "prod_tis" if tree else "token_tis"
-            )
+            out["rollout_correction"] = "none" if proximal == "behavior" else "token_tis"
         return out
 
     @property

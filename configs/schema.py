@@ -11,9 +11,7 @@ what is allowed (rLLM's silent no-op knobs are the cautionary tale). This module
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -43,6 +41,7 @@ from configs.fields import (
 )
 from configs.lora import LoraConfig
 from configs.messages import Allowed, message
+from configs.weights import WeightsConfig, is_loopback
 
 
 class ConfigError(ValueError):
@@ -126,6 +125,9 @@ class EnvConfig(_Section):
     enable_thinking: StrictBool = True  # passed to the chat template (Qwen3: false adds an empty <think>)
     require_search: StrictBool = False  # an answer given before any search call gets reward 0
     reward: Literal["em", "f1"] = "em"  # an answer's training reward; evaluation's success is EM
+    # synthetic KB: each turn opens with a free-text thinking span of this many tokens (a multiple of 8,
+    # ≤ 512; actors/envs/thinking.py), the warm start trained to write it; 0: no thinking
+    think_tokens: Annotated[NonNegInt, Field(le=512, multiple_of=8)] = 0
     # Bring your own agent (docs/external-agents.md): "module:function" run_episode(task, base_url, session)
     # driving the policy through an OpenAI-compatible endpoint; the tasks and tools are env.name's
     harness: (
@@ -162,7 +164,12 @@ class EnvConfig(_Section):
     @model_validator(mode="after")
     def _turn_fits_budget(self) -> Self:
         ok, budget = self.max_turn_tokens <= self.token_budget, self.token_budget
-        return rule(self, ok, "max_turn_tokens", f"an integer <= env.token_budget ({budget})")
+        rule(self, ok, "max_turn_tokens", f"an integer <= env.token_budget ({budget})")
+        ok = self.think_tokens == 0 or self.name == "synthetic_kb"
+        rule(self, ok, "think_tokens", "0 unless env.name = synthetic_kb (its warm start writes the spans)")
+        room = self.think_tokens + 48  # the span, then a call of the tiny model's length
+        ok = self.think_tokens == 0 or self.max_turn_tokens >= room
+        return rule(self, ok, "max_turn_tokens", f">= env.think_tokens + 48 ({room}) with thinking")
 
 
 class SamplerConfig(_Section):
@@ -220,32 +227,9 @@ class LearnerConfig(_Section):
 class StoreConfig(_Section):
     dir: NonEmptyStr | None = None  # None: run_dir/store
     eta: Annotated[NonNegInt, Field(description="0: synchronous")] = 1  # max policy-version lag (AReaL's η)
-
-
-class WeightsConfig(_Section):
-    bind_host: Host = "127.0.0.1"
-    port: Annotated[
-        StrictInt, Field(ge=0, le=65535, description="0: pick a free port"), Allowed(PORT_ALLOWED)
-    ] = 0
-    chunk_mb: PosInt = 4
-    auth: Literal["none", "curve"] = "none"  # must be "curve" when bind_host is not loopback
-    # dtype of the broadcast tensors; auto: bfloat16 when learner.precision is bfloat16, else float32
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    fetch_timeout_s: PosFloat = 30.0  # a sampler gives up a version whose chunks do not all arrive in this
-    apply_timeout_s: PosFloat = 300.0  # loading a version into a sampler's engine workers (vLLM RPC)
-    sync_wait_s: PosFloat = 60.0  # run.mode = sync: how long a sampler waits for the newest version
-
-    @model_validator(mode="after")
-    def _auth_off_loopback(self) -> Self:
-        ok = is_loopback(self.bind_host) or self.auth == "curve"
-        return rule(self, ok, "auth", "'curve' when weights.bind_host is not loopback")
-
-
-def is_loopback(host: str) -> bool:
-    """localhost, ::1 or any 127.x.y.z (as learner/weight_publisher.py decides); not wildcards, not names."""
-    with contextlib.suppress(ValueError):
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    return False
+    # staleness bounded by drift: admission lowers the lag it allows while the learner's measured turn KL
+    # (correction/turn_kl) passes this bound (system/staleness.py drift_lag); None: by versions alone
+    max_turn_kl: PosFloat | None = None
 
 
 class RoleResources(_Section):

@@ -24,8 +24,31 @@ def commit() -> str:
     head = _git("rev-parse", "--short", "HEAD")
     if head is None:
         return "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return head + (" (+ uncommitted changes)" if dirty else "")
+    return head + (" (+ uncommitted changes)" if is_dirty() else "")
+
+
+def is_dirty() -> bool:
+    """Tracked files differ from HEAD (untracked files, such as runs/, do not count)."""
+    return bool(_git("status", "--porcelain", "--untracked-files=no"))
+
+
+class DirtyTree(Exception):
+    """A results file asked for from uncommitted code: the message is the one line to print."""
+
+
+def require_clean(allow_dirty: bool) -> dict[str, Any]:
+    """The provenance stamp of a results file, checked before anything runs: the commit and whether the tree
+    was clean. A dirty tree is refused (DirtyTree) unless `allow_dirty`, and then the stamp says so."""
+    dirty = is_dirty()
+    if dirty and not allow_dirty:
+        raise DirtyTree(
+            "the working tree has uncommitted changes (git status): results files are written from a "
+            "clean commit; commit first, or pass --allow-dirty (the results then say they are not)"
+        )
+    note = (
+        "written from uncommitted changes (--allow-dirty): not reproducible from the commit" if dirty else ""
+    )
+    return {"commit": commit(), "clean": not dirty, "note": note}
 
 
 def cpu_model() -> str:

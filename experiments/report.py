@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.grid import Spec
+from experiments.stats import PairedTest, paired_test
 
 METRICS = ("success", "sampled_success")  # greedy success; sampled pass@1 (temperature 1)
 # training diagnostics averaged over a run's steps (then over seeds); a column where any row logged one
@@ -124,20 +125,9 @@ def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
 
 
 def verdict(diffs: Sequence[float]) -> str:
-    """ "reproduced" (mean > 2 se above 0), "reversed" (mean > 2 se below 0), "tie" (all differences 0),
-    "within noise" otherwise (with the direction of the mean, if any)."""
-    m, se = mean_se(diffs)
-    if not diffs:
-        return "no data"
-    if all(abs(d) < 1e-12 for d in diffs):
-        return "tie"
-    if not math.isnan(se) and m > 2 * se:
-        return "reproduced"
-    if not math.isnan(se) and m < -2 * se:
-        return "reversed"
-    if abs(m) < 1e-9:  # differences that cancel: no direction to report
-        return "within noise (no mean difference)"
-    return f"within noise ({'same' if m > 0 else 'opposite'} direction)"
+    """The paired t-test's verdict on per-seed differences (experiments/stats.py): "holds" or "reversed"
+    (p < 0.05, t with n − 1 degrees of freedom), "not significant", "tie", "one pair: no test"."""
+    return paired_test(diffs).verdict
 
 
 def check_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -155,23 +145,25 @@ def check_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> list[d
         for metric in METRICS:
             a, b = by_row[metric].get(better, {}), by_row[metric].get(worse, {})
             diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
-            key = "" if metric == "success" else "sampled_"
+            key, test = "" if metric == "success" else "sampled_", paired_test(diffs)
             claim.update(
-                {f"{key}seeds": len(diffs), f"{key}diff": mean_se(diffs), f"{key}verdict": verdict(diffs)}
+                {f"{key}seeds": len(diffs), f"{key}diff": mean_se(diffs), f"{key}verdict": test.verdict}
             )
+            claim[f"{key}test"] = test.as_dict()
         out.append(claim)
     return out
 
 
 def render_claims(claims: Sequence[Mapping[str, Any]], what: str = "the paper's ordering") -> str:
+    """Per claim and metric: the paired difference ± se, t, its degrees of freedom, p and the verdict."""
+    head = "difference ± se (t, df, p): verdict"
     lines = [
-        f"| {what} | seeds | greedy success difference | here | sampled pass@1 difference | here |",
-        "|---|---:|---:|---|---:|---|",
+        f"| {what} | seeds | greedy success: {head} | sampled pass@1: {head} |",
+        "|---|---:|---|---|",
     ]
     for c in claims:
-        g, sd = _fmt(c["diff"], signed=True), _fmt(c["sampled_diff"], signed=True)
-        cells = [f"{c['better']} > {c['worse']}", str(c["seeds"]), g, c["verdict"], sd, c["sampled_verdict"]]
-        lines.append("| " + " | ".join(cells) + " |")
+        g, sd = PairedTest(**c["test"]).line(), PairedTest(**c["sampled_test"]).line()
+        lines.append(f"| {c['better']} > {c['worse']} | {c['seeds']} | {g} | {sd} |")
     return "\n".join(lines)
 
 

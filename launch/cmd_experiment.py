@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs-dir", default=None, help="default runs/experiments/<name>[-quick]")
     parser.add_argument("--models-dir", default="runs/models", help="warm-started model cache")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument(
+        "--allow-dirty", action="store_true", help="run from uncommitted code (the results then say so)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,8 +61,15 @@ def run(args: argparse.Namespace) -> int:
             f"{len(runs)} runs for {len(spec.rows)} rows x {len(spec.seeds)} seeds, {spec.steps} steps each"
         )
         return 0
+    from experiments.provenance import DirtyTree, require_clean
+
+    try:
+        stamp = require_clean(args.allow_dirty)  # before anything runs: hours later is too late to refuse
+    except DirtyTree as e:
+        print(f"treeopsd experiment: {e}", file=sys.stderr)
+        return 2
     jobs = max(1, args.jobs or os.cpu_count() or 1)
-    prov, t0 = _provenance(jobs), time.time()  # the code that runs is the code at the start
+    prov, t0 = {**_provenance(jobs), **stamp}, time.time()  # the code that runs is the code at the start
     results, failed, executed = _execute(spec, runs, runs_dir, Path(args.models_dir), jobs)
     prov["wall_s"] = round(time.time() - t0, 1)
     prov["executed_by"] = _history(runs_dir, prov, executed)
@@ -210,7 +220,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"questions (greedy, and {spec.samples} samples each at temperature 1), mean ± standard error over "
         f"seeds.\n\n"
         f"Runs executed by {ran or 'nothing'}. Table rendered at commit {prov['commit']} on "
-        f"{prov['cpus']} CPUs ({prov['cpu']}), {prov['date']}.\n\n"
+        f"{prov['cpus']} CPUs ({prov['cpu']}), {prov['date']}.{_note(prov)}\n\n"
     )
     claims = check_claims(spec, results)
     body = render_table(spec, summary)
@@ -237,6 +247,11 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
     }
     write_atomic(out / f"{tag}.json", json.dumps(_no_nan(data), indent=1, sort_keys=True).encode())
     print(head + body + fails)
+
+
+def _note(prov: dict[str, Any]) -> str:
+    """The dirty-tree note of --allow-dirty, or nothing."""
+    return f" **{prov['note']}.**" if prov.get("note") else ""
 
 
 def _no_nan(x: Any) -> Any:

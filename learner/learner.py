@@ -28,6 +28,7 @@ The step count is the version (a resumed run restores it with the checkpoint). I
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -58,7 +59,7 @@ from learner.step_plan import micro_inputs, minibatch_groups, select_trees, sele
 from storage.checkpoint import Checkpoint, checkpoint_bytes, checkpointed_metrics
 from system.interfaces import StoreClient, WeightSource
 from system.microbatch import Piece
-from system.staleness import batch_metrics, version_lags
+from system.staleness import batch_metrics, drift_lag, drift_warning, version_lags
 from system.tree import RolloutTree, check_nonfinite_fraction
 
 
@@ -102,6 +103,7 @@ class Learner:
         # the newest trained step's metrics, kept from the moment the step is applied: a call that fails
         # after that (publish, checkpoint, a lost store) loses its return value, not the record of the step
         self.last_metrics: dict[str, float] | None = None
+        self.drift_warned: set[float] = set()  # the turn-KL levels already warned of (system/staleness.py)
 
     # ---- the role ---------------------------------------------------------------------------------
     def start(self, resume: bool = False) -> Checkpoint | None:
@@ -125,6 +127,7 @@ class Learner:
         self.lag_history.extend(version_lags(trees, self.version).tolist())
         metrics = {**batch_metrics(trees, self.version), **self.step(trees)}
         metrics.update({"learner/batch_index": float(batch_index), "learner/step": float(self.version)})
+        self._watch_drift(metrics)
         self.last_metrics = metrics
         metrics["weights/publish_s"] = self._publish()
         if self.version % self.cfg.learner.checkpoint_every == 0:
@@ -137,6 +140,20 @@ class Learner:
         metrics["learner/idle_ratio"] = self.wait_s / max(self.wait_s + busy, 1e-9)
         self.wait_s = 0.0
         return metrics
+
+    def _watch_drift(self, metrics: dict[str, float]) -> None:
+        """The step's turn KL (docs/algorithm.md §11.1): a warning line the first time it passes 0.3 and 1,
+        and with `store.max_turn_kl` the lag the store may admit from now on (`store/lag_limit`)."""
+        turn_kl = metrics.get("correction/turn_kl")
+        if turn_kl is None or not self.parallel.is_leader:
+            return
+        if (line := drift_warning(turn_kl, self.drift_warned)) is not None:
+            print(line, file=sys.stderr, flush=True)
+        bound = self.cfg.store.max_turn_kl
+        if bound is not None and self.store is not None:
+            lag = drift_lag(self.cfg.admission_eta, turn_kl, metrics.get("weights/version_lag", 0.0), bound)
+            self.store.limit_lag(lag)
+            metrics["store/lag_limit"] = float(lag)
 
     def last_step_metrics(self) -> dict[str, float] | None:
         """The newest trained step's metrics (None before the first): what the driver logs for a step whose

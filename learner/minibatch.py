@@ -131,7 +131,9 @@ def correction(algo: AlgoConfig, packed: PackedBatch) -> tuple[torch.Tensor | No
         prox, behavior = prox[index], behavior[index]
     mode = algo.rollout_correction
     band = algo.geo_band if mode == "geo_mask" else algo.mask_band
-    return correction_weights(mode, prox, behavior, on, unit, algo.is_threshold, band)  # type: ignore[arg-type]
+    return correction_weights(  # type: ignore[arg-type]
+        mode, prox, behavior, on, unit, algo.is_threshold, band, algo.tr_bound
+    )
 
 
 def weighted_tokens(packed: PackedBatch, weights: torch.Tensor | None) -> dict[str, float]:

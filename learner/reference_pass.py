@@ -10,6 +10,12 @@ the weights the step starts with), and what it logs, summed over micro-batches a
     mismatch/k1_lag{ℓ}, k3_lag{ℓ}         the same per version lag ℓ of the token's turn (lag ≥ 8 in lag8+);
     mismatch/tokens_lag{ℓ}                at ℓ = 0 this is the numerical sampler/learner gap, above it the
                                           policy's own change since the turn was sampled plus that gap
+    correction/turn_kl                    drift of a turn: the mean over turns of Σ_t k3_t (a turn of L tokens
+                                          at per-token KL κ has about L·κ; the product weight's quality is a
+                                          function of it alone, docs/algorithm.md §11.1)
+    correction/seq_kl                     the same over the PPO-family losses' paths (their IS unit)
+    correction/turn_ess                   Kish effective sample size of the correction's weights over the loss
+                                          tokens, (Σ w)² / (n Σ w²), token-weighted: 1 when all weigh alike
     correction/weight_mean, weight_max    the rollout correction's IS weight over those tokens
     correction/clipped_token_frac         tokens whose weight the threshold C cut (the *_tis modes)
     correction/masked_token_frac          tokens a mask dropped (weight 0)
@@ -86,7 +92,7 @@ class ProximalSums:
 
     def __init__(self, algo: AlgoConfig, version: int) -> None:
         self.algo, self.version = algo, version
-        self.sums: dict[str, Any] = {"lags": {}, "is": {}}
+        self.sums: dict[str, Any] = {"lags": {}, "is": {}, "turns": 0}
 
     def add(self, packed: PackedBatch) -> PackedBatch:
         """Counts a micro-batch that carries proximal log-probs; returns it (for use in comprehensions)."""
@@ -94,6 +100,7 @@ class ProximalSums:
         on, unit, _ = owned_turns(packed)  # every trained turn once, whatever the method
         lag = (self.version - packed.turn_version.to(unit.device))[unit.clamp(min=0)].clamp(0, LAG_BUCKETS)
         prox, behavior = packed.proximal_logp.flatten(), packed.behavior_logp.flatten()
+        self.sums["turns"] += int(torch.unique(unit[on]).numel())  # each turn is owned by one micro-batch
         for value, (k1, k3, n) in mismatch_by_lag(prox, behavior, on, lag).items():
             old = self.sums["lags"].get(str(value), (0.0, 0.0, 0))
             self.sums["lags"][str(value)] = (old[0] + k1, old[1] + k3, old[2] + n)
@@ -107,7 +114,9 @@ class ProximalSums:
         """The step's scalars; `all_ranks` gathers every rank's sums (the sharded learner's gather_json)."""
         lags: dict[str, list[float]] = {}
         ist: dict[str, float] = {}
+        turns = 0
         for part in all_ranks(self.sums):
+            turns += part["turns"]
             for key, (k1, k3, n) in part["lags"].items():
                 acc = lags.setdefault(key, [0.0, 0.0, 0.0])
                 acc[0], acc[1], acc[2] = acc[0] + k1, acc[1] + k3, acc[2] + n
@@ -115,7 +124,10 @@ class ProximalSums:
                 ist[key] = (
                     max(ist.get(key, 0.0), value) if key == "is_weight_max" else ist.get(key, 0.0) + value
                 )
-        return {**_mismatch_metrics(lags), **_correction_metrics(ist)}
+        out = {**_mismatch_metrics(lags), **correction_metrics(ist, self.algo.method != "treeopsd")}
+        if turns > 0:
+            out["correction/turn_kl"] = sum(v[1] for v in lags.values()) / turns
+        return out
 
 
 def _mismatch_metrics(lags: dict[str, list[float]]) -> dict[str, float]:
@@ -137,11 +149,15 @@ def _mismatch_metrics(lags: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def _correction_metrics(st: dict[str, float]) -> dict[str, float]:
+def correction_metrics(st: dict[str, float], paths: bool) -> dict[str, float]:
+    """`paths`: the correction's unit is a root-to-leaf path (the PPO-family losses), else a turn."""
     tokens, units = st.get("is_tokens", 0.0), st.get("is_units", 0.0)
     if tokens <= 0:
         return {}
-    return {
+    squares = st["is_weight_sq_sum"]
+    out = {"correction/seq_kl": st["is_k3_sum"] / max(units, 1.0)} if paths else {}
+    return out | {
+        "correction/turn_ess": st["is_weight_sum"] ** 2 / (tokens * squares) if squares > 0 else 0.0,
         "correction/weight_mean": st["is_weight_sum"] / tokens,
         "correction/weight_max": st["is_weight_max"],
         "correction/clipped_token_frac": st["is_clipped_tokens"] / tokens,

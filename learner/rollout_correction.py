@@ -12,6 +12,8 @@ path for GRPO/GSPO/TreePO), r_t = π_prox(y_t)/μ(y_t) (log r_t clamped to ±20 
     geo_mask    w_t = 1 if lo ≤ exp(mean_u log r) ≤ hi else 0    a whole unit kept or dropped (algo.geo_band)
     prod_tis    w_t = min(Π_{t'∈u} r_t', C)                      the unit's product ratio, truncated
     prod_mis    w_t = Π_u r if Π_u r ≤ C else 0                  the product ratio, the unit dropped above C
+    tr_mask     w_t = 1 if max_{t'∈u} k3_t' ≤ δ else 0           a trust region (δ = algo.tr_bound): the
+                                                                 unit dropped where a token's k3 leaves it
 
 Only the product is the unit's likelihood ratio π_prox(y_u)/μ(y_u): untruncated it makes E_μ[w f(y_u)] =
 E_π_prox[f(y_u)] for any f of the whole unit (a turn's credit V_i is one), so it is the unbiased turn-level
@@ -31,8 +33,8 @@ import torch
 
 from learner.baselines import LOG_RATIO_CLAMP
 
-Mode = Literal["none", "token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis"]
-UNIT_MODES = ("geo_tis", "geo_mask", "prod_tis", "prod_mis")  # one weight per unit
+Mode = Literal["none", "token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis", "tr_mask"]
+UNIT_MODES = ("geo_tis", "geo_mask", "prod_tis", "prod_mis")  # one ratio per unit (tr_mask: a per-unit max)
 TRUNCATED = ("token_tis", "geo_tis", "prod_tis")  # weights min(ratio, C)
 
 
@@ -44,22 +46,30 @@ def correction_weights(
     unit: torch.Tensor,
     threshold: float,
     band: tuple[float, float],
+    tr_bound: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """[T] weights (float64, 0 off `on` or where a log-prob is not finite) and their sums (`stats`).
 
     Args: proximal_logp, behavior_logp [T]; on [T] bool, loss tokens; unit [T] long, the sequence of each
-    token (any ids ≥ 0 where `on`); threshold C; band (lo, hi) of the mask modes. Stats (sums, so that
-    micro-batches add up): `is_tokens`, `is_units`, `is_weight_sum`, `is_weight_max`, `is_clipped_tokens`
-    (a truncated mode's tokens whose ratio exceeded C), `is_masked_tokens`, `is_masked_units` (units with no
-    weight left: a masked unit, or for token_mask one whose every token left the band), `is_log_ratio_max`
-    (the largest |log ratio| the weights were taken of: the product's spread grows with the unit's length)."""
+    token (any ids ≥ 0 where `on`); threshold C; band (lo, hi) of the mask modes; tr_bound δ of tr_mask.
+    Stats (sums, so that micro-batches add up): `is_tokens`, `is_units`, `is_weight_sum`,
+    `is_weight_sq_sum` (Σ w²: with the sum, the Kish effective sample size), `is_k3_sum` (Σ k3 over the
+    tokens, k3 = r − 1 − log r: over is_units, a unit's drift summed over its tokens), `is_weight_max`,
+    `is_clipped_tokens` (a truncated mode's tokens whose ratio exceeded C), `is_masked_tokens`,
+    `is_masked_units` (units with no weight left: a masked unit, or for token_mask one whose every token
+    left the band), `is_log_ratio_max` (the largest |log ratio| the weights were taken of: the product's
+    spread grows with the unit's length)."""
     lp, blp = proximal_logp.detach().double(), behavior_logp.detach().double()
     ok = on & torch.isfinite(lp) & torch.isfinite(blp)
     log_r = torch.where(ok, lp - blp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ids, slot = _units(unit, ok)
     n_units = int(ids.numel())
+    k3 = torch.where(ok, torch.expm1(log_r) - log_r, 0.0)
     log_ratio = _unit_log_ratio(mode, log_r, ok, slot, n_units)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if mode == "tr_mask":  # the unit's largest token k3 against δ: 1 inside the trust region, 0 outside
+        worst = torch.zeros(n_units + 1, dtype=k3.dtype, device=k3.device).scatter_reduce(0, slot, k3, "amax")
+        ratio = (worst[slot] <= tr_bound).double()
     weight = torch.where(ok, _weights(mode, ratio, threshold, band), 0.0)
     clipped = ok & (ratio > threshold) if mode in TRUNCATED else torch.zeros_like(ok)
     masked = ok & (weight == 0)
@@ -70,6 +80,8 @@ def correction_weights(
         "is_tokens": float(ok.sum()),
         "is_units": float(n_units),
         "is_weight_sum": float(weight[ok].sum()),
+        "is_weight_sq_sum": float((weight[ok] ** 2).sum()),
+        "is_k3_sum": float(k3.sum()),
         "is_weight_max": float(weight[ok].max()) if bool(ok.any()) else 0.0,
         "is_clipped_tokens": float(clipped.sum()),
         "is_masked_tokens": float(masked.sum()),
@@ -111,6 +123,8 @@ def _weights(mode: Mode, ratio: torch.Tensor, threshold: float, band: tuple[floa
         return ratio.clamp(max=threshold)
     if mode == "prod_mis":
         return torch.where(ratio <= threshold, ratio, 0.0)
+    if mode == "tr_mask":  # already 1 inside the trust region, 0 outside
+        return ratio
     if mode in ("token_mask", "geo_mask"):
         return ((ratio >= band[0]) & (ratio <= band[1])).double()
     raise ValueError(f"unknown rollout correction {mode!r}")

@@ -109,6 +109,8 @@ def tiny_model_dir(cfg: Config, steps: int | None = None, models_dir: str | Path
     settings["seed"] = cfg.run.seed
     if (dims := cfg.model.tiny.model_dump()) != DEFAULT_DIMS:
         settings["dims"] = dims  # the default model keeps its cache folder
+    if cfg.env.think_tokens > 0:
+        settings["think"] = True
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     return Path(models_dir or Path(cfg.run.run_dir).parent / "models") / f"tiny-{digest}"
 
@@ -135,8 +137,10 @@ def warm_start_tiny(
         # The warm-start's SFT data is the default synthetic KB; other tasks still run, just unprimed.
         log.warning("the tiny model is warm-started on the default synthetic KB (env.seed 0) only")
     dims = cfg.model.tiny.model_dump()
+    think = cfg.env.think_tokens > 0
+    threads = cfg.model.threads
     report = warmstart(
-        out, steps=steps, seed=cfg.run.seed, progress=progress, threads=cfg.model.threads, dims=dims
+        out, steps=steps, seed=cfg.run.seed, progress=progress, threads=threads, dims=dims, think=think
     )
     return {**report, "model_dir": str(out)}
 

@@ -28,10 +28,8 @@ Durability contract (what the tests check):
     version, failing tree validation, duplicate ids) and a torn consumed.log tail are moved to quarantine/
     and listed in `recovery_report`; everything else stays readable. Read-only opens report, never move.
 
-Staleness admission (AReaL): capacity = (eta + v + 1)·B − produced, v = learner version, produced = main
-trees in the store (side trees take no slot) + outstanding reservations. `admit(n)` reserves min(n, capacity);
-a commit uses up reservations first; a crashed sampler's reservations come back with `release(n)` (or on
-reopen, as they are in memory).
+Staleness admission (AReaL; storage/admission.py): `admit(n)` reserves up to n tree starts, a commit uses
+up reservations first, `release(n)` returns a crashed sampler's (reopen clears them: they are in memory).
 """
 
 from __future__ import annotations
@@ -49,12 +47,12 @@ from typing import Any
 import pyarrow as pa
 
 from storage import store_files as sf
+from storage.admission import Admission
 from storage.durable import write_atomic
 from storage.linked import Links
 from storage.store_files import Entry, Loc, StoreError
 from storage.tree_checks import check_trees
 from storage.tree_codec import decode_trees, encode_trees, flat_columns, table_to_ipc
-from system.staleness import admission_capacity
 from system.tree import RolloutTree
 
 __all__ = ["ReplayStore", "StoreError"]
@@ -81,7 +79,7 @@ class ReplayStore:
         if validate not in ("full", "structure"):
             raise ValueError(f"validate must be 'full' or 'structure', got {validate!r}")
         self.root, self.readonly, self._validate = Path(directory), readonly, validate
-        self._lease_s, self._eta, self._batch_size = lease_s, eta, batch_size
+        self._lease_s = lease_s
         self._mu = threading.RLock()
         self._segments: dict[int, tuple[Path, str, int]] = {}  # seq -> (path, kind, bytes)
         self._raw: dict[str, Loc] = {}
@@ -95,7 +93,7 @@ class ReplayStore:
         self._batches: list[list[str]] = []
         self._leases: dict[str, float] = {}
         self._cache = sf.SegmentCache(lambda seq: self._segments[seq][0], cache_segments)
-        self._learner_version, self._reserved = 0, 0
+        self._admission = Admission(eta, batch_size)
         self.recovery_report: list[dict[str, Any]] = []
         self._lock_fd, self._log = -1, None
         sf.init_or_check(self.root, create and not readonly)
@@ -215,7 +213,8 @@ class ReplayStore:
             if old:
                 raise ValueError(f"tree ids already in the store: {old[:5]}")
             seq = self._commit("raw", buf, entries)
-            self._reserved = max(0, self._reserved - self._links.mains(e[0] for e in entries))
+            used = self._links.mains(e[0] for e in entries)
+            self._admission.reserved = max(0, self._admission.reserved - used)
             return seq
 
     def put_credited(self, trees: Trees) -> int:
@@ -332,29 +331,30 @@ class ReplayStore:
     # ---- staleness admission -------------------------------------------------------------------------
     def set_learner_version(self, version: int) -> None:
         with self._mu:
-            self._learner_version = int(version)
+            self._admission.learner_version = int(version)
+
+    def limit_lag(self, lag: int | None) -> None:
+        """Admits at most `lag` versions of staleness (None: `eta` alone): set from measured drift."""
+        with self._mu:
+            self._admission.limit_lag(lag)
 
     def admission_capacity(self, eta: int | None = None, batch_size: int | None = None) -> int:
-        """(eta + v + 1)·B − produced (system.staleness); may be negative when the learner fell behind."""
-        eta = self._eta if eta is None else eta
-        b = self._batch_size if batch_size is None else batch_size
-        if eta is None or b is None:
-            raise ValueError("admission needs eta and batch_size (constructor or call)")
+        """(eta + v + 1)·B − produced (storage/admission.py); may be negative when the learner fell behind."""
         with self._mu:
-            produced = len(self._summary) - len(self._links.episode) + self._reserved  # main trees
-            return admission_capacity(eta, self._learner_version, b, produced)
+            produced = len(self._summary) - len(self._links.episode)  # main trees
+            return self._admission.capacity(produced, eta, batch_size)
 
     def admit(self, n: int, eta: int | None = None, batch_size: int | None = None) -> int:
         """Reserves up to n tree starts for a sampler; returns how many were granted."""
         with self._mu:
             granted = max(0, min(n, self.admission_capacity(eta, batch_size)))
-            self._reserved += granted
+            self._admission.reserved += granted
             return granted
 
     def release(self, n: int) -> None:
         """Returns unused reservations (a sampler crashed or stopped before committing them)."""
         with self._mu:
-            self._reserved = max(0, self._reserved - n)
+            self._admission.reserved = max(0, self._admission.reserved - n)
 
     # ---- reporting and lifetime ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -380,7 +380,7 @@ class ReplayStore:
                 "bytes": sum(size for _, _, size in self._segments.values()),
                 "quarantined": len(sf.quarantined_files(self.root)),
                 "batches_handed_out": len(self._batches),
-                "admission": {"learner_version": self._learner_version, "reserved": self._reserved},
+                "admission": self._admission.stats(),
             }
 
     def close(self) -> None:

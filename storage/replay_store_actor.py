@@ -66,5 +66,8 @@ class RemoteStore:
     def set_learner_version(self, version: int) -> None:
         self._call("set_learner_version", version)
 
+    def limit_lag(self, lag: int | None) -> None:
+        self._call("limit_lag", lag)
+
     def stats(self) -> dict[str, Any]:
         return dict(self._call("stats"))

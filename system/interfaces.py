@@ -32,7 +32,7 @@ class StoreUnavailable(RuntimeError):
 class StoreClient(Protocol):
     """The durable tree store as the roles see it: raw → credited → consumed, each credited tree handed out
     exactly once. Samplers: admit, put_raw, release. Backup: lease_raw, put_credited. Learner: take_batch,
-    watermark, set_learner_version, rewind_to (on resume)."""
+    watermark, set_learner_version, rewind_to (on resume), limit_lag (staleness bounded by drift)."""
 
     def put_raw(self, trees: Sequence[RolloutTree]) -> int: ...
 
@@ -51,6 +51,8 @@ class StoreClient(Protocol):
     def rewind_to(self, watermark: int) -> int: ...
 
     def set_learner_version(self, version: int) -> None: ...
+
+    def limit_lag(self, lag: int | None) -> None: ...
 
 
 class MetricsSink(Protocol):

@@ -49,3 +49,33 @@ def admission_capacity(eta: int, learner_version: int, batch_size: int, produced
     started now is trained by version v + η at the latest.
     """
     return (eta + learner_version + 1) * batch_size - produced
+
+
+DRIFT_WARNINGS = (0.3, 1.0)  # turn KL past which the truncated product keeps < 0.9, < 0.65 of its IS mass
+
+
+def drift_lag(eta: int, turn_kl: float, mean_lag: float, bound: float) -> int:
+    """The version lag admission may allow when staleness is bounded by drift (`store.max_turn_kl`), from
+    one step's measured turn KL (docs/algorithm.md §11.1).
+
+    A turn's KL grows about linearly with the versions it lags (each step moves π by a similar amount), so
+    with d = turn_kl / max(mean_lag, 1) per version the largest lag that keeps the turn KL within `bound` is
+    ⌊bound / d⌋, clamped to [0, eta]. Worked: eta 4, turn KL 0.6 at mean lag 2 (d = 0.3), bound 0.5 → 1."""
+    per_version = turn_kl / max(mean_lag, 1.0)
+    if per_version <= 0:
+        return eta
+    return max(0, min(eta, int(bound / per_version)))
+
+
+def drift_warning(turn_kl: float, warned: set[float]) -> str | None:
+    """One line the first time a step's turn KL passes each level of DRIFT_WARNINGS (`warned` remembers
+    which), naming what to lower; None otherwise."""
+    passed = [level for level in DRIFT_WARNINGS if turn_kl > level and level not in warned]
+    if not passed:
+        return None
+    warned.update(passed)
+    return (
+        f"learner: turn KL {turn_kl:.2f} > {max(passed):g} (μ against π_prox, summed over a turn's tokens): "
+        "off-policy weights lose most of their mass here; lower store.eta (the lag admitted), learner.lr "
+        "or env.max_turn_tokens, or bound the drift with store.max_turn_kl"
+    )

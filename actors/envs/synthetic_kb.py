@@ -24,6 +24,7 @@ from bm25s.stopwords import STOPWORDS_EN
 
 from actors.envs.base import Task, Tool, ToolEnv
 from actors.envs.search import Bm25Index, Passage
+from actors.envs.thinking import MAX_CHUNKS, budget_prompt, think_text
 
 RELATIONS: dict[str, tuple[str, str]] = {  # relation -> (subject type, object type)
     "birthplace": ("person", "city"),
@@ -261,12 +262,13 @@ class SyntheticKBEnv(ToolEnv):
         topk: int = 2,
         max_turns: int = 6,
         index: Bm25Index | None = None,
+        think_chunks: int = 0,
     ) -> None:
         self.kb = kb if kb is not None else generate_kb(config)
         self.index = index if index is not None else Bm25Index.from_passages(self.kb.passages())
-        self.topk = topk
+        self.topk, self.think_chunks = topk, think_chunks
         search = Tool("search", "Search the knowledge base; returns matching facts.", "query", self.search)
-        super().__init__([search], SYSTEM_PROMPT, max_turns)
+        super().__init__([search], budget_prompt(SYSTEM_PROMPT, think_chunks), max_turns)
 
     @property
     def inline_tools(self) -> bool:
@@ -287,12 +289,21 @@ class SyntheticKBEnv(ToolEnv):
             return held_out_questions(self.kb, split, **kwargs)  # type: ignore[arg-type]
         raise ValueError(f"unknown split {split!r}; use 'train', 'eval' or 'val'")
 
-    def oracle_turns(self, task: Task) -> list[tuple[str, str | None]]:
+    def oracle_turns(
+        self, task: Task, rng: random.Random | None = None, chunks: int | None = None
+    ) -> list[tuple[str, str | None]]:
         """SFT trajectory: (assistant text, tool observation) per turn; the last turn answers (obs None).
+        With thinking (`chunks`, default `think_chunks`) each turn opens with a span drawn from `rng`
+        (actors/envs/thinking.py).
 
         Each next entity is read from the real search observation, not the KB, so a retrieval miss
         raises instead of producing a trajectory the tool could not support.
         """
+        rng = rng or random.Random(task.task_id)
+        chunks = self.think_chunks if chunks is None else chunks
+        return [(think_text(chunks, rng) + action, obs) for action, obs in self._oracle_calls(task)]
+
+    def _oracle_calls(self, task: Task) -> list[tuple[str, str | None]]:
         entity = task.meta["chain"][0]
         turns: list[tuple[str, str | None]] = []
         for rel in task.meta["path"]:
@@ -322,4 +333,8 @@ def tokenizer_texts(
             if obs is not None:
                 texts.append(obs)
     texts += [SYSTEM_PROMPT] * system_repeats
+    if env.think_chunks > 0:  # the countdown's numbers and the budget prompts, so each is one token
+        rng = random.Random(seed)
+        texts += [think_text(MAX_CHUNKS, rng) for _ in range(system_repeats)]
+        texts += [budget_prompt(SYSTEM_PROMPT, n) for n in range(1, MAX_CHUNKS + 1) for _ in range(4)]
     return texts

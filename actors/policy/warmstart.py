@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from actors.chat import ChatFormat
 from actors.envs.base import Environment, StepResult, Task
-from actors.envs.synthetic_kb import SyntheticKBEnv, tokenizer_texts
+from actors.envs.synthetic_kb import SYSTEM_PROMPT, SyntheticKBEnv, tokenizer_texts
+from actors.envs.thinking import CHUNK_TOKENS, MAX_CHUNKS, budget_prompt
 from actors.policy.hf_backend import HFBackend
 from actors.policy.tiny_model import (
     IM_END,
@@ -103,15 +105,23 @@ def build_example(
 
 
 def oracle_examples(
-    tokenizer: PreTrainedTokenizerBase, env: SyntheticKBEnv, tasks: Sequence[Task], progress: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    env: SyntheticKBEnv,
+    tasks: Sequence[Task],
+    progress: bool = False,
+    think: bool = False,
 ) -> list[Example]:
+    """One example per task; with `think` each has a thinking budget drawn from 1..MAX_CHUNKS, asked for
+    in its system prompt and spent in every turn (actors/envs/thinking.py)."""
     from tqdm.auto import tqdm
 
-    system = env.system_prompt()
-    return [
-        build_example(tokenizer, system, env.user_prompt(t), env.oracle_turns(t), t.meta.get("hops", 0))
-        for t in tqdm(tasks, desc="oracle trajectories", unit="task", disable=not progress, mininterval=1.0)
-    ]
+    rng, out = random.Random(0), []
+    for t in tqdm(tasks, desc="oracle trajectories", unit="task", disable=not progress, mininterval=1.0):
+        chunks = rng.randint(1, MAX_CHUNKS) if think else 0
+        system = budget_prompt(SYSTEM_PROMPT, chunks) if think else env.system_prompt()
+        turns = env.oracle_turns(t, rng, chunks)
+        out.append(build_example(tokenizer, system, env.user_prompt(t), turns, t.meta.get("hops", 0)))
+    return out
 
 
 # ---- SFT ---------------------------------------------------------------------------------------------
@@ -241,6 +251,7 @@ def evaluate_greedy(
     tasks: Sequence[Task],
     tokenizer: PreTrainedTokenizerBase | None = None,
     progress: bool = False,
+    max_new_tokens: int = 48,
 ) -> dict[str, Any]:
     """Greedy (temperature 0) success over `tasks`: {"success", "per_hop", "n", "finish"}."""
     if isinstance(policy, HFBackend):
@@ -253,7 +264,7 @@ def evaluate_greedy(
     rewards: dict[int, list[float]] = {}
     finish: dict[str, int] = {}
     for i, task in enumerate(tqdm(tasks, desc="eval", disable=not progress, mininterval=1.0)):
-        step, _ = run_episode(backend, env, task, key=f"eval-{i}")
+        step, _ = run_episode(backend, env, task, max_new_tokens, key=f"eval-{i}")
         rewards.setdefault(int(task.meta.get("hops", 0)), []).append(float(step.reward or 0.0))
         reason = str(step.info.get("finish"))
         finish[reason] = finish.get(reason, 0) + 1
@@ -268,6 +279,8 @@ def evaluate_greedy(
 
 # ---- the whole warm-start -----------------------------------------------------------------------------
 DEFAULT_DIMS = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "vocab": 1024}  # configs: model.tiny
+EVAL_THINK_CHUNKS = 8  # the warm start's own evaluation with thinking: spans of 64 tokens
+THINK_POSITIONS = 8192  # a thinking model's context: 7 turns of the longest span, and their observations
 
 
 def _settings(**kw: Any) -> tuple[dict[str, Any], str]:
@@ -297,10 +310,12 @@ def warmstart(
     eval_per_hop: int = 40,
     threads: int = 1,
     dims: dict[str, int] | None = None,
+    think: bool = False,
 ) -> dict[str, Any]:
     """Builds tokenizer + tiny model, SFTs on oracle trajectories, evaluates greedily on the eval split,
     saves the HF folder and `warmstart.json` in `out_dir`. Reuses a finished run with the same settings.
-    `dims` (`model.tiny`: hidden, layers, heads, kv_heads, vocab) sizes the model; None: the defaults."""
+    `dims` (`model.tiny`: hidden, layers, heads, kv_heads, vocab) sizes the model; None: the defaults.
+    `think`: every oracle turn opens with a thinking span (`env.think_tokens`; actors/envs/thinking.py)."""
     out = Path(out_dir)
     knobs: dict[str, Any] = {
         "steps": steps,
@@ -311,6 +326,8 @@ def warmstart(
     }
     if dims and dims != DEFAULT_DIMS:
         knobs["dims"] = dict(sorted(dims.items()))  # the default model keeps its cache key
+    if think:
+        knobs["think"] = True
     settings, digest = _settings(**knobs, warmup=warmup, schedule=schedule, eval_per_hop=eval_per_hop)
     if (hit := _cached(out, digest)) is not None:
         return hit
@@ -323,12 +340,14 @@ def warmstart(
 
 def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
-    env = SyntheticKBEnv()
+    think = bool(cfg.get("think"))
+    env = SyntheticKBEnv(think_chunks=EVAL_THINK_CHUNKS if think else 0)
     dims = dict(cfg.get("dims") or DEFAULT_DIMS)
     tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))
-    model = build_tiny_model(tokenizer, seed=cfg["seed"], **dims)
+    positions = THINK_POSITIONS if think else 1024
+    model = build_tiny_model(tokenizer, seed=cfg["seed"], max_positions=positions, **dims)
     tasks = env.tasks("train", n=cfg["n_train"], hops=(2, 4))
-    examples = oracle_examples(tokenizer, env, tasks, progress)
+    examples = oracle_examples(tokenizer, env, tasks, progress, think)
     t_data = time.perf_counter()
     losses = sft_train(
         model,
@@ -344,7 +363,8 @@ def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[
     )
     t_train = time.perf_counter()
     eval_tasks = env.tasks("eval", per_hop=cfg["eval_per_hop"])
-    metrics = evaluate_greedy(model, env, eval_tasks, tokenizer, progress=progress)
+    turn_tokens = 48 + 2 * CHUNK_TOKENS * env.think_chunks
+    metrics = evaluate_greedy(model, env, eval_tasks, tokenizer, progress, turn_tokens)
     t_eval = time.perf_counter()
     save_pretrained(out, model, tokenizer)
     return {

@@ -33,11 +33,11 @@ def test_train_rejects_a_bad_value_before_anything_starts(tmp_path, override, me
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (  # TreeOPSD's credit is per turn: per-token weights are biased on multi-token turns
-            ["algo.rollout_correction=token_tis"],
-            "algo.rollout_correction = 'token_tis' is invalid: expected none, prod_tis or prod_mis with "
-            "algo.method = treeopsd (token and geometric-mean weights are biased on turns of more than one "
-            "token)",
+        (  # a geometric-mean weight is no likelihood ratio of anything: refused for TreeOPSD's turns
+            ["algo.rollout_correction=geo_tis"],
+            "algo.rollout_correction = 'geo_tis' is invalid: expected none, token_tis, prod_tis, prod_mis or "
+            "tr_mask with algo.method = treeopsd (geometric-mean and token-band weights are biased on turns "
+            "of more than one token)",
         ),
         (  # a trust region on π_prox with μ's samples uncorrected
             ["algo.method=grpo", "algo.proximal=step_start", "algo.rollout_correction=none"],
@@ -47,7 +47,7 @@ def test_train_rejects_a_bad_value_before_anything_starts(tmp_path, override, me
         (  # the old name of the geometric mean
             ["algo.method=grpo", "algo.rollout_correction=seq_is"],
             "algo.rollout_correction = 'seq_is' is invalid: allowed values are 'auto', 'none', 'token_tis', "
-            "'token_mask', 'geo_tis', 'geo_mask', 'prod_tis', 'prod_mis'",
+            "'token_mask', 'geo_tis', 'geo_mask', 'prod_tis', 'prod_mis', 'tr_mask'",
         ),
     ],
 )

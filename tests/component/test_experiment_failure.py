@@ -101,7 +101,18 @@ def test_failed_run_is_reported_others_kept_and_rerun_retries_only_it(tmp_path, 
     keys = {r.rows[0]: r.key for r in plan(load_spec(path))}
     assert sorted(keys) == ["(2,2)", "ReAct", "TreeOPSD (4,2)"] and len(set(keys.values())) == 3
     out, runs = tmp_path / "out", tmp_path / "runs"
-    argv = ["experiment", str(path), "--out", str(out), "--runs-dir", str(runs), "--jobs", "2"]
+    # --allow-dirty: the suite runs on working trees too; the refusal itself: test_experiment_spec.py
+    argv = [
+        "experiment",
+        str(path),
+        "--out",
+        str(out),
+        "--runs-dir",
+        str(runs),
+        "--jobs",
+        "2",
+        "--allow-dirty",
+    ]
     argv += ["--models-dir", str(tmp_path / "models")]
 
     assert main(argv) == 1  # the spec validated (not 2); a run failed

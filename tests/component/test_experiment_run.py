@@ -41,7 +41,18 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_spec(tiny_model_dir)))
     out, runs = tmp_path / "out", tmp_path / "runs"
-    argv = ["experiment", str(path), "--out", str(out), "--runs-dir", str(runs), "--jobs", "2"]
+    # --allow-dirty: the suite runs on working trees too; the refusal itself: test_experiment_spec.py
+    argv = [
+        "experiment",
+        str(path),
+        "--out",
+        str(out),
+        "--runs-dir",
+        str(runs),
+        "--jobs",
+        "2",
+        "--allow-dirty",
+    ]
     assert main(argv) == 0
     data = json.loads((out / "tiny.json").read_text())
     # 4 rows, 3 distinct configs (rho = 0.25 is the (4,2) config) x 2 seeds = 6 runs, none failed
@@ -83,14 +94,14 @@ def test_tiny_grid_writes_table_json_curves_and_resumes(tmp_path, tiny_model_dir
 
 
 def test_verdict_rules():
-    """Paired differences (better - worse) per seed -> the verdict (mean, se by hand)."""
+    """Paired differences (better - worse) per seed -> the verdict of a two-sided t-test, n − 1 df."""
     assert verdict([0.0, 0.0]) == "tie"
-    assert verdict([0.5, 0.5, 0.5]) == "reproduced"  # mean 0.5, se 0
-    assert verdict([0.3, 0.2]) == "reproduced"  # mean 0.25, se 0.05: above 2 se
-    assert verdict([0.3, -0.1]) == "within noise (same direction)"  # mean 0.1, se 0.2
-    assert verdict([-0.5, -0.25]) == "reversed"  # mean -0.375, se 0.125: below -2 se
-    assert verdict([0.5, -0.5]) == "within noise (no mean difference)"
-    assert verdict([0.5, -0.25]) == "within noise (same direction)"  # mean 0.125, se 0.375
-    assert verdict([-0.5, 0.25]) == "within noise (opposite direction)"
-    assert verdict([0.25]) == "within noise (same direction)"  # one seed: no se, no verdict either way
+    assert verdict([0.5, 0.5, 0.5]) == "holds"  # mean 0.5, se 0: t infinite
+    # mean 0.25, se 0.05: t = 5 with 1 df, p = 0.126 — "above 2 se" is not significant with 2 seeds
+    assert verdict([0.3, 0.2]) == "not significant"
+    assert verdict([0.3, 0.2, 0.25, 0.28]) == "holds"  # mean 0.2575, se 0.0217: t 11.9, df 3, p 0.001
+    assert verdict([0.3, -0.1]) == "not significant"  # mean 0.1, se 0.2
+    assert verdict([-0.5, -0.25, -0.4]) == "reversed"  # mean -0.383, se 0.073: t -5.28, df 2, p 0.034
+    assert verdict([0.4]) == "one pair: no test"
+    assert verdict([0.5, -0.5]) == "not significant"  # mean 0, se 0.5
     assert verdict([]) == "no data"

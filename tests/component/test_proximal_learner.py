@@ -14,8 +14,14 @@ from system.microbatch import loss_token_counts
 from system.tree import RolloutTree
 
 torch.set_num_threads(1)
-TREE_MODES = ["none", "prod_tis", "prod_mis"]  # what TreeOPSD accepts (configs/algo.py)
-PATH_MODES = ["token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis"]
+TREE_MODES = [
+    "none",
+    "token_tis",
+    "prod_tis",
+    "prod_mis",
+    "tr_mask",
+]  # what TreeOPSD accepts (configs/algo.py)
+PATH_MODES = ["token_tis", "token_mask", "geo_tis", "geo_mask", "prod_tis", "prod_mis", "tr_mask"]
 
 
 def sampled_by(trees: list[RolloutTree], versions: list[int]) -> list[RolloutTree]:
@@ -71,8 +77,14 @@ def test_every_method_and_mode_steps_with_finite_stats(tok, method):
         stats = Learner(build_tiny_model(tok, seed=3), cfg).step(trees)
         assert all(np.isfinite(v) for v in stats.values()), (mode, stats)
         assert stats["mismatch/k3"] > 0
+        # per-token log r ~ N(0, 1): E k3 = E[e^x − 1 − x] = e^{1/2} − 1 ≈ 0.65 per token, so turns of a
+        # few tokens drift by more than 1
+        assert stats["correction/turn_kl"] > 1.0
         if mode != "none":
-            assert "correction/weight_mean" in stats
+            assert "correction/weight_mean" in stats and 0 <= stats["correction/turn_ess"] <= 1.0
+            assert ("correction/seq_kl" in stats) == (method != "treeopsd")  # paths: the baselines' unit
+        if mode == "tr_mask":  # some token of nearly every unit leaves k3 ≤ 0.1 (|log r| ≳ 0.43)
+            assert stats["correction/masked_seq_frac"] > 0.5
         if mode == "token_mask":
             token_masked = stats["correction/masked_token_frac"]
             assert token_masked > 0.2  # P(|log r| > log 2 = 0.69) ≈ 0.49 per token

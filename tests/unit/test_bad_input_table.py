@@ -32,7 +32,7 @@ ROWS = [
     (["eval", "--data", "{tmp}/q.jsonl"], "--data {tmp}/q.jsonl: no such file"),  # not "needs env.name"
     (["model", "import", "{tmp}/m.gguf", "{tmp}/out"], "{tmp}/m.gguf: no such file"),
     (["train", "run.sampler_lag=2"], "run.sampler_lag = 2 is invalid: expected 0 for a run on Ray"),
-    (["train", "algo.rollout_correction=token_tis"], "algo.rollout_correction = 'token_tis' is invalid"),
+    (["train", "algo.rollout_correction=geo_tis"], "algo.rollout_correction = 'geo_tis' is invalid"),
     (["train", "algo.mask_band=[2,3]"], "algo.mask_band = [2, 3] is invalid"),
     (
         ["train", "env.harness=nope.mod:fn", "env.protocol=qwen3"],

@@ -250,8 +250,8 @@ def test_direct_construction_validates_too() -> None:
     assert AlgoConfig(rho=0.25).rho == 0.25 and TinyModelConfig().hidden // TinyModelConfig().heads == 32
     with pytest.raises(ValueError, match=r"expected 'curve' when weights\.bind_host is not loopback"):
         WeightsConfig(bind_host="10.0.0.1")
-    # the algo section's `auto` values are filled in for the run's mode (async: step_start, prod_tis)
-    resolved = AlgoConfig(proximal="step_start", rollout_correction="prod_tis")
+    # the algo section's `auto` values are filled in for the run's mode (async: step_start, token_tis)
+    resolved = AlgoConfig(proximal="step_start", rollout_correction="token_tis")
     assert Config().algo == resolved and parse_config({}) == Config()
 
 

@@ -172,14 +172,37 @@ def test_claims_use_paired_per_seed_differences():
             "eval": {"success": greedy, "sampled_success": greedy / 2},
         }
     got = check_claims(spec, results)
-    # TreeOPSD - GRPO per seed: 0.05, 0.06, 0.07 -> mean 0.06, sd 0.01, se 0.01/sqrt(3) = 0.00577 < 0.06 / 2
-    assert got[0]["diff"] == pytest.approx((0.06, 0.01 / math.sqrt(3))) and got[0]["verdict"] == "reproduced"
-    assert got[1]["verdict"] == "reversed"
-    # TreeOPSD - ReAct: -0.05, +0.16, +0.02 -> mean 0.0433, sd 0.1069, se 0.0617: within 2 se of 0
-    assert got[2]["verdict"] == "within noise (same direction)" and got[2]["seeds"] == 3
+    # TreeOPSD - GRPO per seed: 0.05, 0.06, 0.07 -> mean 0.06, sd 0.01, se 0.01/sqrt(3) = 0.00577,
+    # t = 0.06 / 0.00577 = 10.39 with 2 degrees of freedom: two-sided p = 0.009 < 0.05
+    assert got[0]["diff"] == pytest.approx((0.06, 0.01 / math.sqrt(3))) and got[0]["verdict"] == "holds"
+    assert got[0]["test"]["t"] == pytest.approx(10.392, abs=1e-3) and got[0]["test"]["df"] == 2
+    assert got[0]["test"]["p"] == pytest.approx(0.00913, abs=1e-4)
+    assert got[1]["verdict"] == "reversed" and got[1]["test"]["mean"] < 0  # negative, printed as such
+    # TreeOPSD - ReAct: -0.05, +0.16, +0.02 -> mean 0.0433, sd 0.1069, se 0.0617, t 0.70: p 0.55
+    assert got[2]["verdict"] == "not significant" and got[2]["seeds"] == 3
     assert got[3]["verdict"] == "tie"  # the same runs
-    # sampled = greedy / 2 here: differences 0.025, 0.03, 0.035 -> +0.030 ± 0.003, still reproduced
+    # sampled = greedy / 2 here: differences 0.025, 0.03, 0.035 -> +0.030 ± 0.003, t = 10.39 again
     assert got[0]["sampled_diff"] == pytest.approx((0.03, 0.005 / math.sqrt(3)))
-    assert got[0]["sampled_verdict"] == "reproduced"
+    assert got[0]["sampled_verdict"] == "holds"
     md = render_claims(got)
-    assert "| TreeOPSD > GRPO | 3 | +0.060 ± 0.006 | reproduced | +0.030 ± 0.003 | reproduced |" in md
+    row = "| TreeOPSD > GRPO | 3 | +0.060 ± 0.006 (t = 10.39, df 2, p = 0.009): holds | "
+    assert row + "+0.030 ± 0.003 (t = 10.39, df 2, p = 0.009): holds |" in md
+
+
+def test_results_from_uncommitted_code_are_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from experiments import provenance
+    from launch.cli import main
+
+    spec = tmp_path / "t.yaml"
+    spec.write_text(yaml.safe_dump(_doc(base="configs/default.yaml")))
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    argv = ["experiment", str(spec), "--out", str(out), "--runs-dir", str(runs)]
+    monkeypatch.setattr(provenance, "is_dirty", lambda: True)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("treeopsd experiment: the working tree has uncommitted")
+    assert "--allow-dirty" in err and not out.exists() and not runs.exists()  # nothing ran, nothing written
+    stamp = provenance.require_clean(allow_dirty=True)  # told to: it runs, and the stamp says so
+    assert stamp["clean"] is False and "uncommitted" in stamp["note"]

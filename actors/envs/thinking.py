@@ -1,0 +1,44 @@
+"""Free-text thinking spans for the synthetic task (`env.think_tokens`): turns of a chosen length, so that the
+off-policy experiment sees the turn lengths real thinking agents write (docs/algorithm.md §11.1).
+
+A span is a countdown of `chunks` chunks, each a number and seven words drawn uniformly from `THINK_WORDS`::
+
+    <think> 3 employer the mentor of city is founder 2 ... 0 leader what the capital of is country </think>
+
+about eight tokens a chunk with the tiny model's tokenizer. The words carry nothing the task needs: they are
+text the policy samples freely (high entropy, so its drift between versions shows on every token), and the
+countdown lets even the tiny model end the span on time (greedy decoding included). The budget is in the
+system prompt (`Think N.`), so one warm start (trained on budgets 1..MAX_CHUNKS) serves every length.
+"""
+
+from __future__ import annotations
+
+import random
+
+CHUNK_TOKENS = 8  # one number and seven words
+MAX_CHUNKS = 64  # env.think_tokens ≤ 512
+WORDS_PER_CHUNK = CHUNK_TOKENS - 1
+THINK_WORDS = (
+    "the", "of", "is", "what", "search", "answer", "person", "company", "city", "country",
+    "birthplace", "employer", "mentor", "headquarters", "founder", "capital", "leader", "maybe",
+)  # fmt: skip
+
+
+def chunks_for(think_tokens: int) -> int:
+    """Chunks of a span of `think_tokens` tokens (a multiple of CHUNK_TOKENS, checked by the config)."""
+    return think_tokens // CHUNK_TOKENS
+
+
+def budget_prompt(system_prompt: str, chunks: int) -> str:
+    """The system prompt that asks for a span of `chunks` chunks (unchanged without thinking)."""
+    return f"{system_prompt} Think {chunks}." if chunks > 0 else system_prompt
+
+
+def think_text(chunks: int, rng: random.Random) -> str:
+    """One span of `chunks` chunks, counting down to 0 (empty for 0 chunks)."""
+    if chunks <= 0:
+        return ""
+    parts = []
+    for k in range(chunks - 1, -1, -1):
+        parts.append(" ".join([str(k), *rng.choices(THINK_WORDS, k=WORDS_PER_CHUNK)]))
+    return "<think> " + " ".join(parts) + " </think>\n"
