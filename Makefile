@@ -99,12 +99,15 @@ staleness-table: $(STAMP)
 staleness-table-quick: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/staleness_table.yaml --quick --jobs 2
 
-# TreeOPSD and GRPO off-policy under a forced sampler/learner mismatch (docs/algorithm.md §11.1): the
-# first-step gradient bias of every mode from many trees, then 40-step training curves over 3 seeds with
-# held-out success; both results files feed README.md (`make readme`). Within 60 minutes on 2 cores.
+# Off-policy TreeOPSD at real turn lengths and real staleness (docs/algorithm.md §11.1): every correction's
+# batch-gradient cosine to π_prox's on-policy gradient per turn-KL bucket (synthetic family, then the tiny
+# model with thinking spans and μ its own weights 1-4 versions back), then training at lag 4 over 3 seeds
+# with held-out success; the results files feed README.md (`make readme`). Within 90 minutes on 2 cores,
+# from a clean commit (OFFPOLICY_ARGS=--allow-dirty runs uncommitted code and says so in the files).
+OFFPOLICY_ARGS ?=
 offpolicy-table: $(STAMP)
-	$(PY) -m experiments.offpolicy_bias configs/offpolicy_table.yaml --out benchmarks/results
-	$(VENV)/bin/treeopsd experiment configs/offpolicy_table.yaml --jobs 2
+	$(PY) -m experiments.offpolicy_drift configs/offpolicy_table.yaml --out benchmarks/results $(OFFPOLICY_ARGS)
+	$(VENV)/bin/treeopsd experiment configs/offpolicy_table.yaml --jobs 2 $(OFFPOLICY_ARGS)
 
 # Whole nodes lost mid-run (docs/design.md §14, the node drill): a fake 3-node Ray cluster on this machine,
 # the samplers' node killed at step 3, the store's at 7 and the learner's at 11 of 16;

@@ -40,7 +40,7 @@ SPEC_KEYS = {
     "samples",
     "ablation_seeds",
     "select",
-    "gradient_bias",  # read by experiments/offpolicy_bias.py, not by the grid
+    "drift",  # read by experiments/offpolicy_drift.py, not by the grid
 }
 ROW_KEYS = {"name", "group", "train", "set"}
 QUICK_KEYS = {"seeds", "ablation_seeds", "steps", "eval_tasks", "samples"}
@@ -236,8 +236,11 @@ def config_key(cfg: Config) -> str:
 
     d = to_dict(cfg)
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("name", "run_dir")}
+    bound = d.get("store", {}).get("max_turn_kl")  # drift-bounded staleness changes what is trained
     for k in ("store", "logging", "weights", "resources"):
         d.pop(k, None)
+    if bound is not None:
+        d["max_turn_kl"] = bound
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 

@@ -21,6 +21,9 @@ DIAGNOSTICS = (
     ("mismatch/k3", "mismatch k3 (μ vs step start)"),
     ("correction/weight_mean", "IS weight"),
     ("correction/clipped_token_frac", "clipped tokens"),
+    ("correction/turn_kl", "turn KL"),
+    ("correction/turn_ess", "ESS"),
+    ("store/lag_limit", "lag admitted"),
     ("tree/truncated_frac", "cut turns"),
 )
 

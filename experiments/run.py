@@ -20,6 +20,9 @@ STALENESS_CURVES = (
     "mismatch/k3",
     "correction/weight_mean",
     "correction/clipped_token_frac",
+    "correction/turn_kl",
+    "correction/turn_ess",
+    "store/lag_limit",
 )
 CURVE_KEYS = (*TRAINING_CURVES, *STALENESS_CURVES, "tree/truncated_frac")
 # What the runner imposes on every run (documented in docs/results.md).

@@ -33,6 +33,7 @@ class LocalRun:
     backup: BackupWorker
     samplers: list[TreeSampler]
     channel: InMemoryWeightChannel
+    sinks: list[InMemoryWeightChannel] = field(default_factory=list)  # the samplers' lagged readers
     history: list[dict[str, float]] = field(default_factory=list)
 
     def step(self) -> dict[str, float]:
@@ -44,6 +45,9 @@ class LocalRun:
             turn += 1
             if turn > 100 * b:
                 raise RuntimeError("no batch after many sampling rounds: is admission (store.eta) blocking?")
+        if (limit := metrics.get("store/lag_limit")) is not None:  # store.max_turn_kl: drift bounds the lag
+            for sink in self.sinks:
+                sink.lag = min(self.cfg.run.sampler_lag, int(limit))
         self.history.append(metrics)
         return metrics
 
@@ -70,15 +74,16 @@ def build_local_run(
     channel = InMemoryWeightChannel()
     learner = Learner(model, cfg, store=store, weights=channel, tokenizer=tokenizer)
     learner.start(resume=False)
+    sinks = [channel.sink(lag=cfg.run.sampler_lag) for _ in range(cfg.sampler.num_samplers)]
     samplers = [
         build_sampler(
             cfg,
             model_path,
             index=i,
             store=store,
-            weights=channel.sink(lag=cfg.run.sampler_lag),
+            weights=sink,
             backend=backend_factory(i) if backend_factory else None,
         )
-        for i in range(cfg.sampler.num_samplers)
+        for i, sink in enumerate(sinks)
     ]
-    return LocalRun(cfg, store, learner, BackupWorker(store, cfg.algo), samplers, channel)
+    return LocalRun(cfg, store, learner, BackupWorker(store, cfg.algo), samplers, channel, sinks)
