@@ -41,9 +41,14 @@ SPEC_KEYS = {
     "ablation_seeds",
     "select",
     "drift",  # read by experiments/offpolicy_drift.py, not by the grid
+    "prepare",  # data and a protocol warm start made before the first run (experiments/prepare.py)
+    "per_question",  # also test each claim over paired questions (experiments/question_pairs.py)
 }
 ROW_KEYS = {"name", "group", "train", "set"}
 QUICK_KEYS = {"seeds", "ablation_seeds", "steps", "eval_tasks", "samples"}
+PREPARE_KEYS = {"data", "warmstart"}
+WARMSTART_KEYS = {"model", "steps", "hops", "out"}
+DATA_MAKERS = ("fanout-wiki",)  # `treeopsd data fanout-wiki` (actors/envs/fanout_wiki.py)
 
 
 class ExperimentSpecError(ValueError):
@@ -56,6 +61,19 @@ class Row:
     group: str
     train: bool
     overrides: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """What the grid makes once before its runs, as `make real-demo` does: the data files of env.data,
+    env.eval_data and env.corpus (`data`), and an SFT of `model` on env.protocol's oracle trajectories
+    (`treeopsd warmstart --steps S --hops A B --out MODELS_DIR/OUT model.path=MODEL`), cached."""
+
+    data: str | None
+    model: str
+    steps: int
+    hops: tuple[int, int]
+    out: str
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,8 @@ class Spec:
     ablation_seeds: tuple[int, ...] | None = None  # seeds of the rows outside group "main" (None: all)
     select: str | None = None  # a tuning grid: report each group's best row by this metric
     claims_title: str = "The paper's orderings"  # what the claims are, in the table's words
+    prepare: Prepare | None = None  # data and a protocol warm start before the runs (None: the tiny model)
+    per_question: bool = False  # claims also tested over paired questions (experiments/question_pairs.py)
 
     def model_seed(self, seed: int) -> int:
         return seed if self.warmstart_seed is None else self.warmstart_seed
@@ -168,14 +188,84 @@ def parse_spec(doc: Any, path: str = "<spec>", quick: bool = False) -> Spec:
         ablation,
         _select(doc.get("select"), path),
         str(doc.get("claims_title") or Spec.claims_title),
+        _prepare(doc.get("prepare"), path),
+        _flag(doc.get("per_question", False), "per_question", path),
     )
-    for row in rows:  # every row's config must load before anything runs
-        cost = resolved_config(spec, row, seeds[0]).algo.expected_cost
+    _check_rows(spec)
+    return spec
+
+
+def _check_rows(spec: Spec) -> None:
+    """Every row's config loads and a main row costs the budget, before anything runs."""
+    for row in spec.rows:
+        cost = resolved_config(spec, row, spec.seeds[0]).algo.expected_cost
+        budget = spec.budget
         if budget is not None and row.group == "main" and row.train and not math.isclose(cost, budget):
             raise ExperimentSpecError(
-                f"{path}: row {row.name!r} costs {cost:g} full trajectories per prompt, budget is {budget:g}"
+                f"{spec.path}: row {row.name!r} costs {cost:g} full trajectories per prompt, budget is "
+                f"{budget:g}"
             )
-    return spec
+    if spec.prepare is not None and spec.prepare.data is not None:
+        data_dir(spec)  # the layout the data maker writes, or one line naming the key
+
+
+DATA_FILES = {"data": "train.jsonl", "eval_data": "heldout.jsonl", "corpus": "corpus.jsonl"}
+
+
+def data_dir(spec: Spec) -> Path:
+    """The folder `prepare.data` writes: every row's env.data, env.eval_data and env.corpus must be its
+    train.jsonl, heldout.jsonl and corpus.jsonl (what `treeopsd data fanout-wiki OUT` writes)."""
+    folders = set()
+    for row in spec.rows:
+        env = resolved_config(spec, row, spec.seeds[0]).env
+        for key, name in DATA_FILES.items():
+            value = getattr(env, key)
+            if value is None or Path(value).name != name:
+                raise ExperimentSpecError(
+                    f"{spec.path}: row {row.name!r}: env.{key} = {value!r} is invalid: expected "
+                    f"<folder>/{name} (prepare.data = {spec.prepare and spec.prepare.data} writes that)"
+                )
+            folders.add(Path(value).parent)
+    if len(folders) != 1:
+        raise ExperimentSpecError(
+            f"{spec.path}: env.data, env.eval_data and env.corpus must share one folder"
+        )
+    return folders.pop()
+
+
+def _flag(doc: Any, key: str, path: str) -> bool:
+    if not isinstance(doc, bool):
+        raise ExperimentSpecError(f"{path}: {key} must be true or false, got {doc!r}")
+    return doc
+
+
+def _prepare(doc: Any, path: str) -> Prepare | None:
+    """The `prepare` section: {data: fanout-wiki, warmstart: {model, steps, hops: [A, B], out}}."""
+    if doc is None:
+        return None
+    where = f"{path}: prepare"
+    if not isinstance(doc, dict) or set(doc) - PREPARE_KEYS or "warmstart" not in doc:
+        raise ExperimentSpecError(f"{where} must be a mapping with warmstart (and optionally data)")
+    data = doc.get("data")
+    if data is not None and data not in DATA_MAKERS:
+        raise ExperimentSpecError(f"{where}.data must be one of {list(DATA_MAKERS)}, got {data!r}")
+    warm = doc["warmstart"]
+    if not isinstance(warm, dict) or set(warm) != WARMSTART_KEYS:
+        raise ExperimentSpecError(f"{where}.warmstart must be a mapping with keys {sorted(WARMSTART_KEYS)}")
+    steps, hops = warm["steps"], warm["hops"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ExperimentSpecError(f"{where}.warmstart.steps must be an integer >= 1, got {steps!r}")
+    ok = isinstance(hops, list) and len(hops) == 2 and all(isinstance(h, int) and h >= 1 for h in hops)
+    if not ok or hops[0] > hops[1]:
+        raise ExperimentSpecError(
+            f"{where}.warmstart.hops must be [MIN, MAX] with 1 <= MIN <= MAX, got {hops!r}"
+        )
+    for key in ("model", "out"):
+        if not isinstance(warm[key], str) or not warm[key]:
+            raise ExperimentSpecError(f"{where}.warmstart.{key} must be a non-empty string")
+    if "/" in warm["out"]:
+        raise ExperimentSpecError(f"{where}.warmstart.out must be a folder name (it goes into --models-dir)")
+    return Prepare(data, warm["model"], steps, (hops[0], hops[1]), warm["out"])
 
 
 def _select(doc: Any, path: str) -> str | None:

@@ -46,12 +46,17 @@ def _threads() -> None:
 
 
 def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str) -> str:
-    """The seed's warm-started tiny model (cached in models_dir), or the base config's model.path."""
+    """The seed's warm-started tiny model (cached in models_dir), or the base config's model.path, or with a
+    `prepare` section its data and protocol warm start (experiments/prepare.py)."""
     _threads()
     from experiments.grid import load_spec, resolved_config
     from runtime.model_setup import resolve_model
 
     spec = load_spec(spec_path, quick)
+    if spec.prepare is not None:
+        from experiments.prepare import prepare_runs
+
+        return prepare_runs(spec, seed, models_dir)
     return resolve_model(resolved_config(spec, spec.rows[0], seed), progress=False, models_dir=models_dir)
 
 

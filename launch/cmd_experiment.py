@@ -197,16 +197,8 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"{h['jobs']} at a time)"
         for h in prov["executed_by"]
     )
-    from experiments.grid import Spec
     from experiments.plot import plot_curves
-    from experiments.report import (
-        best_per_group,
-        check_claims,
-        render_best,
-        render_claims,
-        render_table,
-        rows_summary,
-    )
+    from experiments.report import best_per_group, render_best, render_table, rows_summary
 
     summary = rows_summary(spec, results)
     png = out / f"{tag}_curves.png"
@@ -222,13 +214,8 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"Runs executed by {ran or 'nothing'}. Table rendered at commit {prov['commit']} on "
         f"{prov['cpus']} CPUs ({prov['cpu']}), {prov['date']}.{_note(prov)}\n\n"
     )
-    claims = check_claims(spec, results)
-    body = render_table(spec, summary)
-    if claims:
-        where = "experiments/report.py `check_claims`"
-        body += f"\n\n{spec.claims_title}, checked per seed (verdicts: {where}):\n\n"
-        paper = spec.claims_title == Spec.claims_title
-        body += render_claims(claims, "the paper's ordering" if paper else "ordering")
+    claims, per_question, claims_text = _claims(spec, results)
+    body = render_table(spec, summary) + claims_text
     picks = best_per_group(spec, summary) if spec.select else []
     if picks:
         body += f"\n\nChosen per method (highest {spec.select}; these settings go into the comparison):\n\n"
@@ -241,12 +228,32 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         "provenance": prov,
         "rows": summary,
         "claims": claims,
+        "question_claims": per_question,
         "chosen": picks,
         "runs": dict(sorted(results.items())),
         "failed": failed,
     }
     write_atomic(out / f"{tag}.json", json.dumps(_no_nan(data), indent=1, sort_keys=True).encode())
     print(head + body + fails)
+
+
+def _claims(spec: Any, results: dict[str, Any]) -> tuple[list[Any], list[Any], str]:
+    """The claims tested per seed and, with `per_question: true`, per held-out question; their text."""
+    from experiments.grid import Spec
+    from experiments.question_pairs import QUESTION_NOTE, question_claims, render_question_claims
+    from experiments.report import check_claims, render_claims
+
+    claims, text = check_claims(spec, results), ""
+    if claims:
+        where = "experiments/report.py `check_claims`"
+        text += f"\n\n{spec.claims_title}, checked per seed (verdicts: {where}):\n\n"
+        paper = spec.claims_title == Spec.claims_title
+        text += render_claims(claims, "the paper's ordering" if paper else "ordering")
+    per_question = question_claims(spec, results) if spec.per_question and claims else []
+    if per_question:
+        text += f"\n\nThe same orderings per held-out question ({QUESTION_NOTE}):\n\n"
+        text += render_question_claims(per_question)
+    return claims, per_question, text
 
 
 def _note(prov: dict[str, Any]) -> str:
