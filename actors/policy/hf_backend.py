@@ -60,6 +60,17 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _first_of_each(contexts: list[list[int]], reused: list[int]) -> list[int]:
+    """Per row, the row that prefills its context: of the rows with equal contexts, the one with the most
+    tokens already cached (the first such)."""
+    best: dict[tuple[int, ...], int] = {}
+    for i, context in enumerate(contexts):
+        key = tuple(context)
+        if key not in best or reused[i] > reused[best[key]]:
+            best[key] = i
+    return [best[tuple(c)] for c in contexts]
+
+
 class HFBackend:
     """PolicyBackend over a local HF causal LM; the module docstring gives the caching and log-prob rules."""
 
@@ -265,7 +276,8 @@ class HFBackend:
     @torch.inference_mode()
     def _sample_batch(self, reqs: list[SampleRequest], gens: list[torch.Generator]) -> list[SampleResult]:
         """All requests in lock step, the prefill too (actors/policy/hf_batch.py); the same results as one
-        at a time."""
+        at a time. Requests with the same context (a question's samples, a tree's trunks after the same
+        call) are prefilled once: the twins copy the first one's cache and logits, then draw on their own."""
         contexts, caches, reused = [], [], []
         parents = Counter(r.parent_key for r in reqs if r.parent_key is not None)
         for req in reqs:
@@ -276,37 +288,60 @@ class HFBackend:
             contexts.append(context)
             caches.append(cache)
             reused.append(n)
-        suffixes = [c[n:] for c, n in zip(contexts, reused, strict=True)]
-        state, logits = hf_batch.prefill(self.model, caches, suffixes, self.device)
-        tokens, lps = self._decode_lockstep(reqs, gens, logits, state)
+        twin = _first_of_each(contexts, reused)  # row -> the row that prefills its context
+        unique = sorted(set(twin))
+        suffixes = [contexts[i][reused[i] :] for i in unique]
+        state, logits = hf_batch.prefill(self.model, [caches[i] for i in unique], suffixes, self.device)
+        if len(unique) < len(reqs):
+            at = {row: j for j, row in enumerate(unique)}
+            state = hf_batch.take_rows(state, [at[twin[i]] for i in range(len(reqs))], self.model.config)
+            logits = logits[[at[twin[i]] for i in range(len(reqs))]]
+        tokens, lps, row_caches = self._decode_lockstep(reqs, gens, logits, state)
         out = []
         for i, req in enumerate(reqs):
             fed = max(len(tokens[i]) - 1, 0)  # the last sampled token is fed by the next turn
             if req.cache_key is not None:
                 ids = (contexts[i] + tokens[i])[: len(contexts[i]) + fed]
-                self._store(req.cache_key, ids, hf_batch.row_cache(state, i, fed, self.model.config))
-            info = {"version": self.version, "prefill_tokens": len(contexts[i]) - reused[i]}
+                self._store(req.cache_key, ids, row_caches[i])  # type: ignore[arg-type]
+            served = reused[i] if twin[i] == i else len(contexts[i]) - 1  # a twin's K/V came from its twin
+            info = {"version": self.version, "prefill_tokens": len(contexts[i]) - served}
             finish = "stop" if bool(tokens[i]) and self._stops(req, tokens[i]) else "length"
-            out.append(SampleResult(tokens[i], lps[i], finish, cached_prefix_tokens=reused[i], info=info))
+            out.append(SampleResult(tokens[i], lps[i], finish, cached_prefix_tokens=served, info=info))
         return out
 
-    def _decode_lockstep(self, reqs, gens, logits, state) -> tuple[list, list]:
+    def _decode_lockstep(self, reqs, gens, logits, state) -> tuple[list, list, list]:
         """Picks a token for every live row, then feeds them all in one forward; a row ends at a stop token
-        or its max_new_tokens (its later steps are computed and discarded)."""
+        or its max_new_tokens. Ended rows stay in the batch (their steps computed and discarded) until a
+        quarter of it has ended: then their caches are cut out and the batch shrinks (`take_rows`). Returns
+        each row's tokens, log-probs and cache (its context and its fed tokens)."""
+        config = self.model.config
         tokens: list[list[int]] = [[] for _ in reqs]
         lps: list[list[float]] = [[] for _ in reqs]
+        caches: list[DynamicCache | None] = [None] * len(reqs)
         live = [r.max_new_tokens > 0 for r in reqs]
-        while any(live):
-            feed = torch.zeros(len(reqs), 1, dtype=torch.long)
+        rows = list(range(len(reqs)))  # the request of each batch row
+        while any(live[i] for i in rows):
+            feed = torch.zeros(len(rows), 1, dtype=torch.long)
             dist = sampling_logprobs(logits, self.sampling)  # every row's distribution in one pass
-            for i, req in enumerate(reqs):
+            for b, i in enumerate(rows):
                 if not live[i]:
                     continue
-                tok, lp = self._draw(dist[i], gens[i])
+                tok, lp = self._draw(dist[b], gens[i])
                 tokens[i].append(tok)
                 lps[i].append(lp)
-                live[i] = not self._stops(req, tokens[i]) and len(tokens[i]) < req.max_new_tokens
-                feed[i, 0] = tok
-            if any(live):
-                logits = hf_batch.step(self.model, state, feed, self.device)
-        return tokens, lps
+                live[i] = not self._stops(reqs[i], tokens[i]) and len(tokens[i]) < reqs[i].max_new_tokens
+                feed[b, 0] = tok
+            keep = [b for b, i in enumerate(rows) if live[i]]
+            if not keep:
+                break
+            if len(rows) - len(keep) >= max(2, len(rows) // 4):
+                for b, i in enumerate(rows):
+                    if not live[i] and reqs[i].cache_key is not None:
+                        caches[i] = hf_batch.row_cache(state, b, max(len(tokens[i]) - 1, 0), config)
+                state, feed = hf_batch.take_rows(state, keep, config), feed[keep]
+                rows = [rows[b] for b in keep]
+            logits = hf_batch.step(self.model, state, feed, self.device)
+        for b, i in enumerate(rows):
+            if reqs[i].cache_key is not None:
+                caches[i] = hf_batch.row_cache(state, b, max(len(tokens[i]) - 1, 0), config)
+        return tokens, lps, caches

@@ -9,6 +9,14 @@ W = max P_i and S = max S_i. The 2D attention mask is 0 on the pads, so a row at
 only; `position_ids` are each row's own positions (the cache's keys carry theirs already), so a row's logits
 are the ones it would get alone, up to float rounding of the batched matmuls. Afterwards each row's cache is
 cut back out of the batch (its three real spans, copied) and stored for its episode.
+
+The pads of the suffix span cost a full forward each: a call that mixes fresh 70-token prompts with
+400-token observations (the real demo's first and second turns) computed half its prefill on pads. So the
+rows are prefilled in groups of similar suffix length (`suffix_groups`: padded tokens at most `PAD_SLACK`
+times the real ones), each group as above; with more than one group, every row's cache is cut out of its
+group and the rows are stacked once more for the decode steps, left-padded to the longest:
+
+    [ pad (L − L_i) | its cache and suffix (L_i = P_i + S_i) | one token per decode step ... ]
 """
 
 from __future__ import annotations
@@ -47,11 +55,55 @@ def _stack(caches: list[DynamicCache], width: int, config: object) -> DynamicCac
     return DynamicCache(layers, config=config)
 
 
+PAD_SLACK = 1.25  # a prefill group's padded suffix tokens over its real ones, at most
+
+
+def suffix_groups(lengths: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """Row indices grouped by suffix length (shortest first): a row joins the current group while the
+    group's padded tokens, rows × the longest, stay within `slack` × its real tokens."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        n = lengths[i]
+        if current and (len(current) + 1) * n > slack * (real + n):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += n
+    return [*groups, current] if current else groups
+
+
 def prefill(
     model, caches: list[DynamicCache], suffixes: list[list[int]], device
 ) -> tuple[Lockstep, torch.Tensor]:
-    """Stacks the rows' caches and feeds every row's suffix in one forward; returns the state and the
-    [rows, V] float32 logits of each row's last token."""
+    """Feeds every row's suffix after its cache, in groups of similar length (module docstring); returns
+    the lock-step state and the [rows, V] float32 logits of each row's last token."""
+    groups = suffix_groups([len(x) for x in suffixes])
+    if len(groups) == 1:
+        return _prefill_group(model, caches, suffixes, device)
+    config = model.config
+    rows: list[DynamicCache | None] = [None] * len(caches)
+    logits: list[torch.Tensor | None] = [None] * len(caches)
+    for group in groups:
+        state, out = _prefill_group(model, [caches[i] for i in group], [suffixes[i] for i in group], device)
+        for r, i in enumerate(group):
+            rows[i], logits[i] = row_cache(state, r, 0, config), out[r]
+        del state  # its batch cache: the rows hold copies
+    lengths = [c.get_seq_length() for c in rows]  # type: ignore[union-attr]
+    width = max(lengths)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, width - n :] = 1
+    spans = [[(width - n, width)] for n in lengths]
+    state = Lockstep(_stack(rows, width, config), mask, lengths, spans, width)  # type: ignore[arg-type]
+    return state, torch.stack(logits)  # type: ignore[arg-type]
+
+
+def _prefill_group(
+    model, caches: list[DynamicCache], suffixes: list[list[int]], device
+) -> tuple[Lockstep, torch.Tensor]:
+    """Stacks the rows' caches and feeds every row's suffix in one forward."""
     config = model.config
     reused = [c.get_seq_length() for c in caches]
     w, s = max(reused), max(len(x) for x in suffixes)
@@ -79,6 +131,24 @@ def step(model, state: Lockstep, feed: torch.Tensor, device) -> torch.Tensor:
     out = _forward(model, feed, state.cache, state.mask, pos, device)
     state.positions = [p + 1 for p in state.positions]
     return out.logits[:, -1].float().cpu()
+
+
+def take_rows(state: Lockstep, rows: list[int], config: object) -> Lockstep:
+    """The lock-step state of `rows` (indices into the batch, repeats allowed): a row's twin gets a copy
+    of its cache, mask and positions; a row left out is gone (cut its cache out first: `row_cache`)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    layers = [
+        (k.index_select(0, index.to(k.device)), v.index_select(0, index.to(k.device)))
+        for k, v, *_ in state.cache
+    ]
+    cache = DynamicCache(layers, config=config)
+    return Lockstep(
+        cache,
+        state.mask.index_select(0, index),
+        [state.positions[r] for r in rows],
+        [list(state.spans[r]) for r in rows],
+        state.width,
+    )
 
 
 def row_cache(state: Lockstep, row: int, fed: int, config: object) -> DynamicCache:
