@@ -63,9 +63,9 @@ class RunConfig(_Section):
     time_limit_s: Annotated[NonNegFloat, Field(description="0: no limit")] = 0.0
     eval_tasks: PosInt = 120
     eval_samples: NonNegInt = 0  # temperature-1 episodes per eval task beside the greedy one (demo)
-    # torch threads of an evaluation that runs alone (`treeopsd demo`, `train --eval`), before or after
-    # training, when no sampler or learner shares the CPU; 0: model.threads
-    eval_threads: NonNegInt = 0
+    # an evaluation that runs alone (`treeopsd demo`, `train --eval`: before or after training, nothing else
+    # on the CPU) splits its episodes over this many threads, each with its own backend on model.threads
+    eval_workers: PosInt = 1
     # self-healing (runtime/supervision.py): a dead or failed learner (any rank) is restarted inside the run
     # from its newest checkpoint at most this many times; 0: the run stops and waits for --resume
     max_learner_restarts: NonNegInt = 3

@@ -9,13 +9,20 @@ of tasks with at least one success). Episodes run `batch` at a time through one 
 the same tool parsing, limits and token-in/token-out bookkeeping as training rollouts. success = mean reward
 (0/1 exact match here); EM/F1 use the official answer normalization and count 0 for episodes that never
 answer; per hop count where the tasks have one.
+
+With `workers` = W > 1 the episodes are split into W contiguous shards, each run by a thread of its own
+with a backend of its own (torch releases the GIL in its kernels: W cores busy, each on model.threads
+threads, which a busy machine slows less than W intra-op threads of one backend). Sampled episode i draws
+with its own seed (mix_seed(run.seed + 1, i)), so its draws do not depend on W or on `batch`; a question's
+K samples stay in one shard and one batch, where the HF backend prefills their shared context once.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -46,40 +53,40 @@ def evaluate(
     progress: bool = False,
     batch: int = 32,
     samples: int = 0,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Greedy episodes on `tasks` (and `samples` sampled ones per task, module docstring); returns {n,
     success, em, f1, answered, mean_turns, finish, datasets, per_hop (synthetic KB), seconds} plus, with
     samples, {samples, sampled_success, pass_at_k, sampled: the same stats over the sampled episodes}.
-    `backend`: a greedy backend to reuse (closed by the caller); None builds one from cfg and closes it."""
+    `backend`: a greedy backend to reuse (closed by the caller; its run is not split); None builds one per
+    worker from cfg and closes it."""
     from runtime.model_setup import build_policy
 
     t0 = time.perf_counter()
-    greedy = backend or build_policy(cfg, model_path, seed=cfg.run.seed, greedy=True)
-    try:
-        rows = _episodes(cfg, model_path, greedy, tasks, env, batch, progress, "greedy")
-    finally:
-        if backend is None:
-            greedy.close()
+    if backend is not None:
+        rows = _episodes(cfg, model_path, backend, tasks, env, batch, progress, "greedy")
+    else:
+        greedy = lambda: build_policy(cfg, model_path, seed=cfg.run.seed, greedy=True)  # noqa: E731
+        rows = _sharded(cfg, model_path, greedy, tasks, env, batch, progress, "greedy", workers)
     report = summarize(rows)
     report["task_rewards"] = {r["task_id"]: r["reward"] for r in rows}  # for paired comparisons
     if samples > 0:
-        report.update(_sampled(cfg, model_path, tasks, env, batch, progress, samples))
+        report.update(_sampled(cfg, model_path, tasks, env, batch, progress, samples, workers))
     return {**report, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _sampled(cfg, model_path, tasks, env, batch, progress, samples) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """K episodes per task at temperature 1 from a seeded sampling backend."""
+def _sampled(cfg, model_path, tasks, env, batch, progress, samples, workers) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """K episodes per task at temperature 1, each with its own seed."""
     from runtime.model_setup import build_policy
 
     at_t1 = cfg.model_copy(
         update={"sampler": cfg.sampler.model_copy(update={"temperature": 1.0, "top_p": 1.0, "top_k": 0})}
     )
-    backend = build_policy(at_t1, model_path, seed=cfg.run.seed + 1)
-    try:
-        repeated = [t for t in tasks for _ in range(samples)]
-        rows = _episodes(at_t1, model_path, backend, repeated, env, batch, progress, "sampled")
-    finally:
-        backend.close()
+    repeated = [t for t in tasks for _ in range(samples)]
+    make = lambda: build_policy(at_t1, model_path, seed=cfg.run.seed + 1)  # noqa: E731
+    rows = _sharded(
+        at_t1, model_path, make, repeated, env, batch, progress, "sampled", workers, cfg.run.seed + 1
+    )
     per_task = defaultdict(list)
     for task, row in zip(repeated, rows, strict=True):
         per_task[task.task_id].append(row["reward"])
@@ -95,8 +102,47 @@ def _sampled(cfg, model_path, tasks, env, batch, progress, samples) -> dict[str,
     }
 
 
-def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
-    """One episode per task through the agent loop, `batch` at a time; a row of results per episode."""
+def shard_bounds(n: int, workers: int, batch: int) -> list[tuple[int, int]]:
+    """[start, stop) of each worker's contiguous shard of n episodes: about n / workers each, cut at a
+    multiple of `batch` where the shard holds more than one batch (so the batches are the ones one worker
+    would run, the samples of a question kept together)."""
+    workers = max(1, min(workers, n))
+    size = -(-n // workers)
+    if size > batch:
+        size = -(-size // batch) * batch
+    return [(a, min(a + size, n)) for a in range(0, n, size)] if n else []
+
+
+def _sharded(
+    cfg, model_path, make_backend: Callable[[], Any], tasks, env, batch, progress, label, workers, seed=None
+) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """`_episodes` over the shards of `shard_bounds`, one thread and one backend each; rows in task order.
+    The backends are built first, one after another (loading a model is not thread-safe)."""
+    shards = shard_bounds(len(tasks), workers, batch)
+    backends: list[Any] = []
+    try:
+        for _ in shards:
+            backends.append(make_backend())
+
+        def run(k: int) -> list[dict[str, Any]]:
+            start, stop = shards[k]
+            part = tasks[start:stop]
+            return _episodes(cfg, model_path, backends[k], part, env, batch, progress, label, start, seed)
+
+        if len(shards) <= 1:
+            return run(0) if shards else []
+        with ThreadPoolExecutor(len(shards), thread_name_prefix=f"eval-{label}") as pool:
+            return [row for part in pool.map(run, range(len(shards))) for row in part]
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def _episodes(
+    cfg, model_path, backend, tasks, env, batch, progress, label, first=0, seed=None
+) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """One episode per task through the agent loop, `batch` at a time; a row of results per episode.
+    Episode `first` + i is named by its index and, with `seed`, draws with mix_seed(seed, first + i)."""
     from tqdm.auto import tqdm
 
     from actors.agent_loop import Episode, run_episodes
@@ -104,6 +150,7 @@ def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> l
     from actors.sampler_setup import loop_limits
     from experiments.retrieval_recall import episode_recall
     from runtime.model_setup import load_tokenizer
+    from system.policy import mix_seed
     from system.tree_build import TreeBuilder
 
     tokenizer = getattr(backend, "tokenizer", None) or load_tokenizer(model_path)
@@ -116,9 +163,11 @@ def _episodes(cfg, model_path, backend, tasks, env, batch, progress, label) -> l
             part = [replace(t) for t in tasks[start : start + max(1, batch)]]
             episodes = []
             for i, task in enumerate(part):
+                n = first + start + i
                 prompt = chat.initial_context(agent_env.system_prompt(), agent_env.user_prompt(task))
-                b = TreeBuilder(f"eval-{label}-{start + i}", prompt, prompt_id=task.task_id)
-                episodes.append(Episode(task, b, 0, b.context_tokens(0), [], 0, key=b.tree_id))
+                b = TreeBuilder(f"eval-{label}-{n}", prompt, prompt_id=task.task_id)
+                own = None if seed is None else mix_seed(seed, n)
+                episodes.append(Episode(task, b, 0, b.context_tokens(0), [], 0, key=b.tree_id, seed=own))
             run_episodes(episodes, backend, recorder, chat, limits)
             recalls = episode_recall(env, episodes)  # None without qrels
             rows += [

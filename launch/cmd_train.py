@@ -157,11 +157,15 @@ def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
     from experiments.evaluation import evaluate, take
     from runtime.retrieval_actor import local_retrieval
 
-    if cfg.run.eval_threads:  # nothing else runs meanwhile: the evaluation may use more cores
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"threads": cfg.run.eval_threads})})
     with local_retrieval(cfg) as cfg:  # the run's own service lives only inside `train`
         env = build_env(cfg)
         tasks = take(load_split(cfg, "eval", env), cfg.run.eval_tasks)
         return evaluate(
-            cfg, model_path, tasks, env, progress=cfg.logging.progress, samples=cfg.run.eval_samples
+            cfg,
+            model_path,
+            tasks,
+            env,
+            progress=cfg.logging.progress,
+            samples=cfg.run.eval_samples,
+            workers=cfg.run.eval_workers,  # nothing else runs meanwhile: every core may evaluate
         )
