@@ -17,6 +17,7 @@ from experiments.stats import PairedTest, paired_test
 METRICS = ("success", "sampled_success")  # greedy success; sampled pass@1 (temperature 1)
 # training diagnostics averaged over a run's steps (then over seeds); a column where any row logged one
 DIAGNOSTICS = (
+    ("tree/sampled_tokens", "sampled tokens/step"),
     ("weights/version_lag", "mean lag"),
     ("mismatch/k3", "mismatch k3 (μ vs step start)"),
     ("correction/weight_mean", "IS weight"),
@@ -101,8 +102,9 @@ def _fmt(ms: tuple[float, float], signed: bool = False) -> str:
     m, se = ms
     if math.isnan(m):
         return "—"
-    head = f"{m:+.3f}" if signed else f"{m:.3f}"
-    return head if math.isnan(se) else f"{head} ± {se:.3f}"
+    digits = 0 if abs(m) >= 100 else 3  # token counts in whole tokens, rates to three places
+    head = f"{m:+.{digits}f}" if signed else f"{m:.{digits}f}"
+    return head if math.isnan(se) else f"{head} ± {se:.{digits}f}"
 
 
 def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:

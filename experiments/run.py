@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 TRAINING_CURVES = ("reward/mean", "learner/loss", "learner/grad_norm", "learner/max_abs_s", "tree/leaves")
+TRAINING_CURVES += ("tree/sampled_tokens",)
 STALENESS_CURVES = (
     "weights/version_lag",
     "mismatch/k3",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument(
         "--allow-dirty", action="store_true", help="run from uncommitted code (the results then say so)"
+    )
+    parser.add_argument(
+        "--rerender",
+        action="store_true",
+        help="runs nothing: the table of --out's <name>.json again, with the current statistics",
     )
 
 
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     except DirtyTree as e:
         print(f"treeopsd experiment: {e}", file=sys.stderr)
         return 2
+    if args.rerender:
+        return _rerender(spec, tag, Path(args.out), stamp)
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     prov, t0 = {**_provenance(jobs), **stamp}, time.time()  # the code that runs is the code at the start
     results, failed, executed = _execute(spec, runs, runs_dir, Path(args.models_dir), jobs)
@@ -77,6 +85,32 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _write_outputs(spec, tag, results, failed, out, prov)
     return 1 if failed else 0
+
+
+def _rerender(spec: Any, tag: str, out: Path, stamp: dict[str, Any]) -> int:
+    """The table and claims of an earlier run's results file, recomputed from its runs (their numbers as
+    they were written) with today's statistics; the runs' own provenance (`executed_by`) is kept."""
+    from experiments import provenance
+
+    path = out / f"{tag}.json"
+    try:
+        data = json.loads(path.read_text())
+        results, failed, prov = _nan_back(data["runs"]), data["failed"], data["provenance"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"treeopsd experiment: --rerender needs {path} from an earlier run ({e})", file=sys.stderr)
+        return 2
+    prov = {**prov, **stamp, "date": provenance.now(), "rerendered": True}
+    _write_outputs(spec, tag, results, failed, out, prov)
+    return 0
+
+
+def _nan_back(x: Any) -> Any:
+    """JSON's nulls (written for NaN by _no_nan) as NaN again."""
+    if isinstance(x, dict):
+        return {k: _nan_back(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_back(v) for v in x]
+    return math.nan if x is None else x
 
 
 def _child(args: list[str], log: Path) -> str:
@@ -219,7 +253,8 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"{list(spec.seeds)}{ablation}, {spec.steps} learner steps per run, evaluated on {n_eval} held-out "
         f"questions (greedy, and {spec.samples} samples each at temperature 1), mean ± standard error over "
         f"seeds.\n\n"
-        f"Runs executed by {ran or 'nothing'}. Table rendered at commit {prov['commit']} on "
+        f"Runs executed by {ran or 'nothing'}. Table {'re-' if prov.get('rerendered') else ''}rendered at "
+        f"commit {prov['commit']} on "
         f"{prov['cpus']} CPUs ({prov['cpu']}), {prov['date']}.{_note(prov)}\n\n"
     )
     claims = check_claims(spec, results)

@@ -24,7 +24,7 @@ from bm25s.stopwords import STOPWORDS_EN
 
 from actors.envs.base import Task, Tool, ToolEnv
 from actors.envs.search import Bm25Index, Passage
-from actors.envs.thinking import MAX_CHUNKS, budget_prompt, think_text
+from actors.envs.thinking import budget_prompt, think_text
 
 RELATIONS: dict[str, tuple[str, str]] = {  # relation -> (subject type, object type)
     "birthplace": ("person", "city"),
@@ -333,8 +333,4 @@ def tokenizer_texts(
             if obs is not None:
                 texts.append(obs)
     texts += [SYSTEM_PROMPT] * system_repeats
-    if env.think_chunks > 0:  # the countdown's numbers and the budget prompts, so each is one token
-        rng = random.Random(seed)
-        texts += [think_text(MAX_CHUNKS, rng) for _ in range(system_repeats)]
-        texts += [budget_prompt(SYSTEM_PROMPT, n) for n in range(1, MAX_CHUNKS + 1) for _ in range(4)]
     return texts

@@ -1,11 +1,12 @@
 """Free-text thinking spans for the synthetic task (`env.think_tokens`): turns of a chosen length, so that the
 off-policy experiment sees the turn lengths real thinking agents write (docs/algorithm.md §11.1).
 
-A span is a countdown of `chunks` chunks, each a number and seven words drawn uniformly from `THINK_WORDS`::
+A span is a countdown of `chunks` chunks, each a number and six words drawn uniformly from `THINK_WORDS`::
 
-    <think> 3 employer the mentor of city is founder 2 ... 0 leader what the capital of is country </think>
+    <think> 3 employer the mentor of or founder 2 ... 0 leader is the capital of country </think>
 
-about eight tokens a chunk with the tiny model's tokenizer. The words carry nothing the task needs: they are
+about eight tokens a chunk with the tiny model's tokenizer (each word is one token of it, a number two or
+three). The words carry nothing the task needs: they are
 text the policy samples freely (high entropy, so its drift between versions shows on every token), and the
 countdown lets even the tiny model end the span on time (greedy decoding included). The budget is in the
 system prompt (`Think N.`), so one warm start (trained on budgets 1..MAX_CHUNKS) serves every length.
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import random
 
-CHUNK_TOKENS = 8  # one number and seven words
+CHUNK_TOKENS = 8  # about: one number (2–3 tokens) and six words (one token each)
 MAX_CHUNKS = 64  # env.think_tokens ≤ 512
-WORDS_PER_CHUNK = CHUNK_TOKENS - 1
+WORDS_PER_CHUNK = 6
 THINK_WORDS = (
-    "the", "of", "is", "what", "search", "answer", "person", "company", "city", "country",
-    "birthplace", "employer", "mentor", "headquarters", "founder", "capital", "leader", "maybe",
+    "the", "of", "is", "or", "search", "answer", "birthplace", "employer", "mentor", "headquarters",
+    "founder", "country", "capital", "leader",
 )  # fmt: skip
 
 

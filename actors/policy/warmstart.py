@@ -112,13 +112,14 @@ def oracle_examples(
     think: bool = False,
 ) -> list[Example]:
     """One example per task; with `think` each has a thinking budget drawn from 1..MAX_CHUNKS, asked for
-    in its system prompt and spent in every turn (actors/envs/thinking.py)."""
+    in its system prompt and spent in every turn (actors/envs/thinking.py). Without, the env's prompt."""
     from tqdm.auto import tqdm
 
     rng, out = random.Random(0), []
     for t in tqdm(tasks, desc="oracle trajectories", unit="task", disable=not progress, mininterval=1.0):
-        chunks = rng.randint(1, MAX_CHUNKS) if think else 0
-        system = budget_prompt(SYSTEM_PROMPT, chunks) if think else env.system_prompt()
+        # budgets log-uniform on 1..MAX_CHUNKS: every length seen, the long ones (the costly ones) rarely
+        chunks = min(MAX_CHUNKS, int(math.exp(rng.uniform(0, math.log(MAX_CHUNKS + 1))))) if think else 0
+        system = budget_prompt(SYSTEM_PROMPT, chunks) if think else SYSTEM_PROMPT
         turns = env.oracle_turns(t, rng, chunks)
         out.append(build_example(tokenizer, system, env.user_prompt(t), turns, t.meta.get("hops", 0)))
     return out
@@ -280,6 +281,7 @@ def evaluate_greedy(
 # ---- the whole warm-start -----------------------------------------------------------------------------
 DEFAULT_DIMS = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "vocab": 1024}  # configs: model.tiny
 EVAL_THINK_CHUNKS = 8  # the warm start's own evaluation with thinking: spans of 64 tokens
+THINK_STEPS, THINK_BATCH = 400, 8  # the thinking phase after the task's SFT (budgets: oracle_examples)
 THINK_POSITIONS = 8192  # a thinking model's context: 7 turns of the longest span, and their observations
 
 
@@ -343,24 +345,17 @@ def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[
     think = bool(cfg.get("think"))
     env = SyntheticKBEnv(think_chunks=EVAL_THINK_CHUNKS if think else 0)
     dims = dict(cfg.get("dims") or DEFAULT_DIMS)
-    tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))
+    tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))  # thinking or not
     positions = THINK_POSITIONS if think else 1024
     model = build_tiny_model(tokenizer, seed=cfg["seed"], max_positions=positions, **dims)
     tasks = env.tasks("train", n=cfg["n_train"], hops=(2, 4))
-    examples = oracle_examples(tokenizer, env, tasks, progress, think)
+    examples = oracle_examples(tokenizer, env, tasks, progress)
     t_data = time.perf_counter()
-    losses = sft_train(
-        model,
-        examples,
-        cfg["steps"],
-        cfg["batch_size"],
-        cfg["lr"],
-        cfg["warmup"],
-        cfg["schedule"],
-        cfg["seed"],
-        tokenizer.pad_token_id,
-        progress,
-    )
+    sft = (cfg["batch_size"], cfg["lr"], cfg["warmup"], cfg["schedule"], cfg["seed"], tokenizer.pad_token_id)
+    losses = sft_train(model, examples, cfg["steps"], *sft, progress)
+    if think:  # then the spans: the task is learnt, the countdown and its words take few more steps
+        spans = oracle_examples(tokenizer, env, tasks[: THINK_STEPS * THINK_BATCH], progress, think=True)
+        losses += sft_train(model, spans, THINK_STEPS, THINK_BATCH, *sft[1:], progress)
     t_train = time.perf_counter()
     eval_tasks = env.tasks("eval", per_hop=cfg["eval_per_hop"])
     turn_tokens = 48 + 2 * CHUNK_TOKENS * env.think_chunks

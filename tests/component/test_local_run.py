@@ -54,3 +54,24 @@ def test_a_held_back_sampler_samples_every_batch_eta_versions_late(tmp_path, tin
         assert run.history[-1]["mismatch/tokens_lag2"] > 0 and run.history[-1]["mismatch/k3_lag2"] > 0
     finally:
         run.close()
+
+
+def test_a_drift_bound_takes_the_lag_back_and_a_loose_one_does_not(tmp_path, tiny_model_dir):
+    # store.max_turn_kl (docs/algorithm.md §11.1): after each step the learner turns the measured turn KL
+    # into the lag the samplers may run at, ⌊bound / (turn KL / mean lag)⌋ capped at the lag asked for (2).
+    # Bound 1e-12: every drift passes it, so from the second batch on the samplers run at lag 0; bound 1e9:
+    # never reached, the lag stays the held-back sampler's [0, 1, 2, 2] (the test above).
+    base = [*SMALL, "run.mode=sync", "run.sampler_lag=2", "algo.proximal=step_start"]
+    for bound, lags, limit in ((1e-12, [0.0, 0.0, 0.0, 0.0], 0.0), (1e9, [0.0, 1.0, 2.0, 2.0], 2.0)):
+        cfg = load_config(
+            overrides=[f"run.run_dir={tmp_path / str(bound)}", *base, f"store.max_turn_kl={bound}"]
+        )
+        run = build_local_run(cfg, tiny_model_dir)
+        try:
+            got = [run.step() for _ in range(4)]
+        finally:
+            run.close()
+        assert [m["weights/version_lag"] for m in got] == lags
+        assert all(m["store/lag_limit"] == limit for m in got) and all(
+            m["correction/turn_kl"] >= 0 for m in got
+        )
