@@ -31,6 +31,7 @@ COMMANDS = {
     "config": "print the resolved config (`config show [--config F] [k=v ...]`)",
     "soak": "train while killing a random role on a schedule; audit the store and the batches after",
     "drill": "`train --steps N` with each role SIGKILLed once at random; check every batch trained once",
+    "view": "a local web page over a run's rollout trees (`view RUN_DIR`, or `--export DIR`)",
 }
 BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights", "credit", "retrieval", "learner_ranks")
 # a benchmark is the module benchmarks.bench_<name> unless named here
