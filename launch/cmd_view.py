@@ -21,7 +21,9 @@ DEFAULT_PORT = 8765
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (config.yaml, store/) or a bare replay store")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any)")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any)"
+    )
     parser.add_argument("--token", default=None, help="required off loopback (or $TREEOPSD_VIEW_TOKEN)")
     parser.add_argument("--export", metavar="DIR", default=None, help="write a static page folder instead")
     parser.add_argument("--trees", default="", help="--export: these tree ids (comma-separated)")

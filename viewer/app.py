@@ -1,9 +1,9 @@
 """What the server and the export answer, over one run: the run's header, list pages and tree details.
 
-    view = RunView.open("runs/x", parse_call=fn)   # ViewError (one line) when the folder is not a run
-    view.run()                                     # name, method, notes, store state, who writes it
-    view.trees({"offset": "0", "no_signal": "1"})  # a list page (tree_index.TreeIndex.page)
-    view.tree("s0i0-000003")                       # one tree's JSON text (tree_detail.tree_detail)
+view = RunView.open("runs/x", parse_call=fn)   # ViewError (one line) when the folder is not a run
+view.run()                                     # name, method, notes, store state, who writes it
+view.trees({"offset": "0", "no_signal": "1"})  # a list page (tree_index.TreeIndex.page)
+view.tree("s0i0-000003")                       # one tree's JSON text (tree_detail.tree_detail)
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class RunView:
             **self.files.summary(),
             "store": str(self.files.store),
             "store_problem": self.files.store_state(),
-            "writer": None if writer is None else f"a running job ({writer}) is writing this store; new "
-            "trees appear as they are committed",
+            "writer": None
+            if writer is None
+            else f"a running job ({writer}) is writing this store; new trees appear as they are committed",
         }
 
     def trees(self, params: dict[str, str]) -> dict[str, Any]:

@@ -37,7 +37,9 @@ def choose(view: RunView, ids: list[str], first: int, filters: dict[str, Any], s
         rows = [view.index.row(t) for t in ids]
         missing = [t for t, r in zip(ids, rows, strict=True) if r is None]
         if missing:
-            raise ExportError(f"no tree {missing[0]!r} in {view.files.store} ({len(missing)} of the named trees)")
+            raise ExportError(
+                f"no tree {missing[0]!r} in {view.files.store} ({len(missing)} of the named trees)"
+            )
         return [r for r in rows if r is not None]
     rows = view.index.page(0, first, filters, sort, wait_s=0.0)["rows"]
     if not rows:
@@ -55,8 +57,15 @@ def _check_target(out: Path, store: Path) -> None:
 def export(view: RunView, out: Path, rows: list[dict]) -> Path:
     """Writes the folder; returns its index.html."""
     _check_target(out, view.files.store)
-    trees = {r["id"]: tree_detail(view.index, r["id"], view.files.cfg, view.text, view.parse_call) for r in rows}
-    data = {"run": view.run(), "rows": rows, "trees": trees, "exported_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    trees = {
+        r["id"]: tree_detail(view.index, r["id"], view.files.cfg, view.text, view.parse_call) for r in rows
+    }
+    data = {
+        "run": view.run(),
+        "rows": rows,
+        "trees": trees,
+        "exported_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     (out / "static").mkdir(parents=True, exist_ok=True)
     for name in STATIC_FILES - {"index.html"}:
         shutil.copyfile(STATIC / name, out / "static" / name)

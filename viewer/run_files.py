@@ -118,4 +118,3 @@ def _config(path: Path) -> tuple[Config | None, list[str]]:
         return load_config(path), []
     except ConfigError as e:
         return None, [f"{path}: {e}; credit is shown only where the store holds it"]
-

@@ -50,6 +50,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
+        sock.listen(128)  # connections wait in the backlog until uvicorn accepts: the URL works once printed
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from exc
@@ -64,7 +65,9 @@ class ViewServer:
         self.host, self.token = host, token
         self.sock = bind(host, port)
         self.port = int(self.sock.getsockname()[1])
-        config = uvicorn.Config(build_app(handlers, self), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            build_app(handlers, self), log_level="warning", lifespan="off", access_log=False
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

@@ -57,7 +57,7 @@ class TokenText:
             return self._tok
 
     def text(self, ids: np.ndarray, plain: bool = False) -> str | None:
-        """The decoded ids; `plain` leaves out special tokens (chat markers), as a tool-call parser sees it."""
+        """The decoded ids; `plain` leaves out special tokens (chat markers), as a call parser sees them."""
         tok = self._load()
         return None if tok is None else tok.decode(ids.tolist(), skip_special_tokens=plain)
 

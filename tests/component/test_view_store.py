@@ -98,7 +98,9 @@ def test_store_being_written_and_trees_that_fail_to_decode(tmp_path):
         assert problem.startswith("000000000004.raw.arrow: cannot read this segment") and "\n" not in problem
         broken = json.loads(view.tree("broken"))
         assert set(broken) == {"id", "error"} and "\n" not in broken["error"]
-        assert "fails to decode: TreeValidationError" in broken["error"] and "finite reward" in broken["error"]
+        assert (
+            "fails to decode: TreeValidationError" in broken["error"] and "finite reward" in broken["error"]
+        )
         writer.put_raw([make_tree(3)])  # committed while the viewer runs: listed on the next look
         view.index._listed_at = -1e9
         assert "t3" in [r["id"] for r in view.trees({"limit": "50"})["rows"]]
@@ -156,7 +158,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     assert "is not an empty folder" in one_line(["view", str(run), "--export", str(tmp_path / "full")])
-    assert "no tree 'nope'" in one_line(["view", str(run), "--export", str(tmp_path / "e"), "--trees", "nope"])
+    assert "no tree 'nope'" in one_line(
+        ["view", str(run), "--export", str(tmp_path / "e"), "--trees", "nope"]
+    )
 
 
 def test_export_opens_without_a_server(tmp_path, capsys):

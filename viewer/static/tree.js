@@ -73,7 +73,7 @@
       g.addEventListener("keydown", (e) => key(e, detail, n.id, onSelect));
       svg.append(g);
     }
-    svg.hidden = false;
+    svg.parentElement.hidden = false;
   }
 
   function label(n, detail, leaf, cut) {

@@ -94,7 +94,7 @@
     const err = $("tree-error"), svg = $("tree-svg");
     $("tree-notes").replaceChildren(...(d.notes || []).map((t) => Object.assign(document.createElement("li"), { textContent: t })));
     if (d.error) {
-      err.textContent = d.error; err.hidden = false; svg.hidden = true; $("legend").hidden = true;
+      err.textContent = d.error; err.hidden = false; $("tree-box").hidden = true; $("legend").hidden = true;
       $("turn-pane").hidden = true; $("tree-facts").textContent = ""; return;
     }
     err.hidden = true;
