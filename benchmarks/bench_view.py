@@ -118,3 +118,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         build_s = time.perf_counter() - t0
         out = measure(Path(tmp) / "run")
     return {"trees": trees, "segments": segments, "build_s": round(build_s, 2), **out}
+
+
+def render(r: dict[str, Any]) -> str:
+    """benchmarks/results/view.md (docs/viewer.md shows it): the figures beside their goals."""
+    import os
+    import platform
+
+    return (
+        "# treeopsd view on a large store\n\n"
+        f"`treeopsd bench view --json --out benchmarks/results/view.json`: {r['trees']:,} small trees in "
+        f"{r['segments']} segments (written in {r['build_s']} s), a cold server, every figure over HTTP "
+        f"({os.cpu_count()} CPUs, Python {platform.python_version()}).\n\n"
+        "| figure | measured | goal |\n|---|---:|---|\n"
+        f"| the list's first page (50 rows), index empty | {r['first_page_s']} s | < 2 s |\n"
+        f"| one tree, first (cold) | {r['tree_s']} s | < 1 s |\n"
+        f"| one tree, median of 20 more | {r['tree_p50_s']} s | < 1 s |\n"
+        f"| every segment indexed (background) | {r['index_all_s']} s | |\n"
+        f"| a filtered and sorted page (no signal, by spread) once indexed | {r['filtered_page_s']} s | |\n"
+    )

@@ -96,6 +96,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         write_atomic(args.out, (text + "\n").encode())
         if len(names) > 1:
             _write_summary(results, args.out)
+        elif callable(render := getattr(module, "render", None)):  # its own markdown beside the JSON
+            from pathlib import Path
+
+            write_atomic(Path(args.out).with_suffix(".md"), render(out).encode())
     return 0
 
 

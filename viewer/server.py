@@ -155,7 +155,7 @@ def build_app(handlers: Handlers, server: ViewServer) -> FastAPI:
         except ValueError as e:
             return _error(400, str(e))
 
-    @app.get("/api/tree/{tree_id}")
+    @app.get("/api/tree/{tree_id:path}")  # a tree id may hold a slash
     def tree(tree_id: str) -> Response:
         return Response(handlers["tree"](tree_id), media_type="application/json")
 
