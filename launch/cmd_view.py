@@ -56,7 +56,8 @@ def _export(args: argparse.Namespace, view: Any) -> int:
     except (ExportError, ValueError) as e:
         print(f"treeopsd view: {e}", file=sys.stderr)
         return 2
-    print(f"treeopsd view: {len(rows)} trees exported; open file://{page.resolve()}")
+    trees = f"{len(rows)} tree" + ("s" if len(rows) != 1 else "")
+    print(f"treeopsd view: {trees} exported; open file://{page.resolve()}")
     return 0
 
 

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pytest
 
 from configs.schema import load_config
+from launch.cli import main
 from launch.cmd_train import prepare_run_dir
 from storage.durable import write_atomic
 from storage.replay_store import ReplayStore
@@ -172,7 +173,7 @@ def test_the_page_shows_the_stored_tree(real_run, browser, tmp_path):
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
-        page.wait_for_selector("#status:has-text('trees')")
+        page.wait_for_selector("#status:has-text(' trees')")
         listed = page.eval_on_selector_all("#tree-rows tr", "rs => rs.map(r => r.dataset.treeId)")
         assert sorted(listed) == sorted([*trees, "broken"])
         branch = _check_tree(page, tree)
@@ -189,24 +190,16 @@ def test_the_page_shows_the_stored_tree(real_run, browser, tmp_path):
         assert proc.wait(timeout=30) == 0
 
 
-def test_the_export_opens_without_a_server(real_run, browser, tmp_path):
+def test_the_export_opens_without_a_server(real_run, browser, tmp_path, capsys):
     _, tree = _stored(real_run)
     out = tmp_path / "export"
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.cli",
-        "view",
-        str(real_run),
-        "--export",
-        str(out),
-        "--trees",
-        tree.tree_id,
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert main(["view", str(real_run), "--export", str(out), "--trees", tree.tree_id]) == 0  # in-process
+    assert "1 tree exported" in capsys.readouterr().out
     page = browser.new_page()
     page.goto((out / "index.html").as_uri())  # no server: the data is in static/data.js
     page.wait_for_selector("g.node")
     assert page.locator("g.node").count() == len(tree.nodes)
-    assert page.inner_text("#status") == "1 trees in this export"
+    assert page.inner_text("#status") == "1 tree in this export"
+    page.click(f'g.node[data-node-id="{tree.leaves[0]}"]')
+    shown = page.eval_on_selector_all("#turn-tokens span.tok", "ss => ss.map(s => +s.dataset.tokenId)")
+    assert shown == tree.nodes[int(tree.leaves[0])].tokens.tolist()

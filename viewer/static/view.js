@@ -75,7 +75,7 @@
     const end = Math.min(page.offset + page.rows.length, page.total);
     $("page-line").textContent = page.total ? `${page.offset + 1}–${end} of ${page.total}${page.complete ? "" : "+"}` : "no trees";
     $("prev").disabled = page.offset === 0; $("next").disabled = end >= page.total && page.complete;
-    $("status").textContent = page.complete ? `${page.total} trees` + (EXPORT ? " in this export" : "")
+    $("status").textContent = page.complete ? `${page.total} tree${page.total === 1 ? "" : "s"}` + (EXPORT ? " in this export" : "")
       : `indexing the store: ${page.segments.indexed} of ${page.segments.total} segments read…`;
     const probs = $("problems"); probs.replaceChildren();
     for (const line of page.problems) { const li = document.createElement("li"); li.textContent = line; probs.append(li); }
