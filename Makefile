@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme node-drill horizon-sweep horizon-sweep-quick clean
+.PHONY: venv test browser test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme node-drill horizon-sweep horizon-sweep-quick clean
 
 venv: $(STAMP)
 
@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 
 # Three pytest lanes side by side (tools/test_lanes.py): the Ray tests, the other slow/vLLM ones (then the
 # Ray tests that need no shared instance), the rest; the last line gives each lane's minutes.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) tools/test_lanes.py $(PYTEST_ARGS)
+
+# Debian's Chromium for the browser test of `treeopsd view`, where it is missing (~45 s; root and apt-get)
+browser:
+	@bash launch/install_chromium.sh
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not ray and not vllm" $(PYTEST_ARGS)

@@ -249,6 +249,9 @@ class LoggingConfig(_Section):
     tensorboard: StrictBool = True
     progress: StrictBool = True
     log_every: PosInt = 1  # without a progress bar: a metrics line on stderr every this many steps
+    # the learner's token log-probs, s_i and Z of every turn it trains, in RUN_DIR/learner_turns/ (what
+    # `treeopsd view` shows as the student's p and the turn's loss; learner/turn_record.py)
+    learner_turns: StrictBool = True
     # trackers beside tensorboard (storage/tracking.py), the same scalars and steps; off by default
     wandb: StrictBool = False
     wandb_project: NonEmptyStr = "treeopsd"

@@ -31,8 +31,10 @@ COMMANDS = {
     "config": "print the resolved config (`config show [--config F] [k=v ...]`)",
     "soak": "train while killing a random role on a schedule; audit the store and the batches after",
     "drill": "`train --steps N` with each role SIGKILLed once at random; check every batch trained once",
+    "view": "a local web page over a run's rollout trees (`view RUN_DIR`, or `--export DIR`)",
 }
 BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights", "credit", "retrieval", "learner_ranks")
+BENCHMARKS += ("view",)
 # a benchmark is the module benchmarks.bench_<name> unless named here
 BENCH_MODULES = {"learner_ranks": "benchmarks.learner_ranks"}
 BENCH_ALIASES = {"learner_scale": "learner_ranks"}  # the name the issue tracker and earlier notes use
@@ -94,6 +96,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         write_atomic(args.out, (text + "\n").encode())
         if len(names) > 1:
             _write_summary(results, args.out)
+        elif callable(render := getattr(module, "render", None)):  # its own markdown beside the JSON
+            from pathlib import Path
+
+            write_atomic(Path(args.out).with_suffix(".md"), render(out).encode())
     return 0
 
 

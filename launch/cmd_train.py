@@ -96,6 +96,7 @@ def prepare_run_dir(cfg: Any, resume: bool) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError
+    from launch.cmd_view import view_command
     from runtime.model_setup import ModelPathError, resolve_model
     from storage.tracking import check_trackers
 
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"treeopsd train: {e}", file=sys.stderr)
         return 2
     prepare_run_dir(cfg, args.resume)
+    print(f"look at its trees: {view_command(cfg.run.run_dir)}", file=sys.stderr)
     before = evaluate_split(cfg, model_path) if args.eval else None
     from runtime.learner_group import LearnerRankError
     from runtime.ray_run import ray_training

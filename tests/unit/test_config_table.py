@@ -173,8 +173,8 @@ BAD = [
     ("logging.tensorboard=0", r"^logging\.tensorboard = 0 is invalid: expected true or false$"),
     (
         "logging.colour=true",
-        r"^unknown key logging\.colour; allowed keys: log_every, mlflow, mlflow_experiment, mlflow_uri, "
-        r"progress, tensorboard, wandb, wandb_project$",
+        r"^unknown key logging\.colour; allowed keys: learner_turns, log_every, mlflow, mlflow_experiment, "
+        r"mlflow_uri, progress, tensorboard, wandb, wandb_project$",
     ),
 ]
 
