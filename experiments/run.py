@@ -32,6 +32,7 @@ RUN_SETTINGS = (
     "store.eta=0",
     "sampler.num_samplers=1",
     "logging.progress=false",
+    "logging.learner_turns=false",  # `treeopsd view`'s per-turn record: hundreds of runs need none
     "learner.checkpoint_every=1000000",  # the run saves its final weights itself
 )
 

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from actors.chat import ChatFormat
 from actors.envs.base import Environment, StepResult, Task
 from actors.envs.synthetic_kb import SYSTEM_PROMPT, SyntheticKBEnv, tokenizer_texts
-from actors.envs.thinking import CHUNK_TOKENS, MAX_CHUNKS, budget_prompt
+from actors.envs.thinking import CHUNK_TOKENS, MAX_CHUNKS, with_budget
 from actors.policy.hf_backend import HFBackend
 from actors.policy.tiny_model import (
     IM_END,
@@ -112,16 +112,15 @@ def oracle_examples(
     think: bool = False,
 ) -> list[Example]:
     """One example per task; with `think` each has a thinking budget drawn from 1..MAX_CHUNKS, asked for
-    in its system prompt and spent in every turn (actors/envs/thinking.py). Without, the env's prompt."""
+    at the end of its question and of every observation and spent in every turn (actors/envs/thinking.py)."""
     from tqdm.auto import tqdm
 
     rng, out = random.Random(0), []
     for t in tqdm(tasks, desc="oracle trajectories", unit="task", disable=not progress, mininterval=1.0):
         # budgets log-uniform on 1..MAX_CHUNKS: every length seen, the long ones (the costly ones) rarely
         chunks = min(MAX_CHUNKS, int(math.exp(rng.uniform(0, math.log(MAX_CHUNKS + 1))))) if think else 0
-        system = budget_prompt(SYSTEM_PROMPT, chunks) if think else SYSTEM_PROMPT
-        turns = env.oracle_turns(t, rng, chunks)
-        out.append(build_example(tokenizer, system, env.user_prompt(t), turns, t.meta.get("hops", 0)))
+        turns, user = env.oracle_turns(t, rng, chunks), with_budget(t.question, chunks)
+        out.append(build_example(tokenizer, SYSTEM_PROMPT, user, turns, t.meta.get("hops", 0)))
     return out
 
 
@@ -281,7 +280,7 @@ def evaluate_greedy(
 # ---- the whole warm-start -----------------------------------------------------------------------------
 DEFAULT_DIMS = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "vocab": 1024}  # configs: model.tiny
 EVAL_THINK_CHUNKS = 8  # the warm start's own evaluation with thinking: spans of 64 tokens
-THINK_STEPS, THINK_BATCH = 400, 8  # the thinking phase after the task's SFT (budgets: oracle_examples)
+THINK_STEPS, THINK_BATCH = 600, 8  # the thinking phase after the task's SFT (budgets: oracle_examples)
 THINK_POSITIONS = 8192  # a thinking model's context: 7 turns of the longest span, and their observations
 
 
