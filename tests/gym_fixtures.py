@@ -10,7 +10,6 @@ a multi-turn tree of any environment needs (the environments here never see a se
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +30,12 @@ def ecosystems_python() -> str:
     return ECOSYSTEMS_PYTHON
 
 
-@pytest.fixture(scope="session")
-def turn_taking_model_dir(tmp_path_factory):
-    """The tiny model after 40 SFT steps on 64 two-hop oracle trajectories (about 6 s on 2 cores)."""
+def turn_taking_model(tmp_path_factory) -> str:
+    """The tiny model after 40 SFT steps on 64 two-hop oracle trajectories (about 6 s on 2 cores), built
+    once per test session (each test module's session fixture calls this; the folder is shared)."""
+    folder = tmp_path_factory.getbasetemp() / "turn-taking-model"
+    if (folder / "config.json").is_file():
+        return str(folder)
     from actors.envs.synthetic_kb import SyntheticKBEnv, tokenizer_texts
     from actors.policy.tiny_model import build_tiny_model, build_tokenizer, save_pretrained
     from actors.policy.warmstart import oracle_examples, sft_train
@@ -45,14 +47,12 @@ def turn_taking_model_dir(tmp_path_factory):
     sft_train(
         model, examples, steps=40, batch_size=4, lr=1e-2, warmup=5, pad_id=tok.pad_token_id, progress=False
     )
-    return str(save_pretrained(tmp_path_factory.mktemp("turn-taking-model"), model, tok))
+    return str(save_pretrained(folder, model, tok))
 
 
-@pytest.fixture(scope="session")
-def echo_env_dir(tmp_path_factory):
-    """OpenEnv's own echo environment, as `openenv init echo_env` writes it (unmodified), on a path."""
+def echo_env(root: Path) -> Path:
+    """OpenEnv's own echo environment, as `openenv init echo_env` writes it (unmodified), under `root`."""
     python = ecosystems_python()
-    root = tmp_path_factory.mktemp("openenv")
     openenv = Path(python).parent / "openenv"
     subprocess.run([str(openenv), "init", "echo_env"], cwd=root, check=True, capture_output=True, timeout=120)
     assert (root / "echo_env" / "server" / "echo_env_environment.py").is_file()
@@ -63,8 +63,3 @@ def worker_path(monkeypatch, *folders: Path) -> None:
     """The worker of `env.python` imports the environment's modules from these folders."""
     extra = [str(f) for f in folders]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([*extra, os.environ.get("PYTHONPATH", "")]))
-
-
-def copy_env(name: str, dest: Path) -> Path:
-    shutil.copytree(ENVS / name, dest / name)
-    return dest

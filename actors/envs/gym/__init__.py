@@ -16,7 +16,7 @@ from actors.envs.gym.adapter import GymEnv
 from actors.envs.gym.factory import FactoryError
 from actors.envs.gym.hosts import make_host
 
-__all__ = ["FactoryError", "GymEnv", "build_gym_env"]
+__all__ = ["FactoryError", "GymEnv", "build_gym_env", "check_gym_env"]
 
 
 def build_gym_env(e: Any) -> GymEnv:
@@ -26,3 +26,18 @@ def build_gym_env(e: Any) -> GymEnv:
     options = {"action_field": e.action_field, "observation_field": e.observation_field}
     host = make_host(e.factory, e.factory_args, e.python, e.ecosystem, options, e.call_timeout_s)
     return GymEnv(host, e.factory, e.max_turns, e.pool_size, e.cache_size, e.replay_mismatch_max)
+
+
+def check_gym_env(e: Any) -> int:
+    """Before anything starts: the factory imports (in `env.python`'s worker, if set) and its tasks load;
+    a problem is a ValueError of one line (the CLI exits 2). Returns the number of tasks."""
+    env = build_gym_env(e)
+    try:
+        tasks = env.tasks(e.data)
+        if not tasks:
+            raise ValueError(f"env.factory = {e.factory}: no tasks (env.data or the ecosystem's own list)")
+        return len(tasks)
+    except (RuntimeError, KeyError, TypeError) as exc:  # the ecosystem's own listing failed
+        raise ValueError(f"env.factory = {e.factory}: listing its tasks failed: {exc}") from None
+    finally:
+        env.close()
