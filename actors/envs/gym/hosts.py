@@ -100,7 +100,11 @@ class SubprocessHost:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 if not start:
-                    raise HostError("the environment worker is not running (it stopped earlier)")
+                    code = "" if self._proc is None else f", exit code {self._proc.returncode}"
+                    self._proc = None
+                    raise HostError(
+                        f"the environment worker ({self.python}) died{code} before {request['op']}"
+                    )
                 self._proc = self._start()
                 if request is not self.load:
                     self._exchange(self.load)
