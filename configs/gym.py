@@ -7,10 +7,11 @@ fields, so they are `env.factory`, `env.factory_args`, … beside the other `env
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field
-from pydantic.functional_validators import model_validator
+from pydantic.functional_validators import AfterValidator, model_validator
 from pydantic.types import StrictStr
 
 from configs.fields import Float, NonEmptyStr, PosFloat, PosInt, Section, rule
@@ -19,13 +20,28 @@ from configs.messages import Allowed
 FACTORY = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 
 
+class FactoryArgs(dict):  # type: ignore[type-arg]
+    """The checked `env.factory_args` mapping: read-only and hashable, as every config value is."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+    def _frozen(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("env.factory_args is read-only")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen
+
+    def __reduce__(self) -> Any:  # pickles (Ray) without calling the blocked update()
+        return (FactoryArgs, (dict(self),))
+
+
 class GymEnvKeys(Section):
     # package.module:callable: a SkyRL-gym env class (or skyrl_gym:make with factory_args.id), an OpenEnv
     # Environment class, a verifiers Taskset class; imported before anything starts (exit 2 if it cannot be)
     factory: Annotated[StrictStr, Field(pattern=FACTORY), Allowed("'package.module:callable'")] | None = None
-    factory_args: Annotated[dict[str, Any], Allowed("a mapping of the factory's keyword arguments")] = Field(
-        default_factory=dict
-    )
+    factory_args: Annotated[
+        dict[str, Any], AfterValidator(FactoryArgs), Allowed("a mapping of the factory's keyword arguments")
+    ] = Field(default_factory=dict)
     ecosystem: Literal["auto", "skyrl", "openenv", "verifiers"] = "auto"  # auto: read off the factory
     # the Python the environment runs in (its own venv, e.g. verifiers' with openai<3), as a worker process
     # spoken to over pipes in JSON lines; unset: in the sampler's own process
