@@ -313,13 +313,16 @@ class TreeSampler:
                 "tree %s dropped: %s", p.builder.tree_id, next(e.dropped for e in p.trunks if e.dropped)
             )
             return None
-        ids = p.builder.remove(n for e in dropped for n in e.nodes)  # dropped branches leave the tree
-        if dropped:
+        ids: dict[int, int] = {}
+        if dropped:  # dropped branches leave the tree; the others' node ids are renumbered
+            ids = p.builder.remove(n for e in dropped for n in e.nodes)
             p.builder.meta["dropped_branches"] = json.dumps([e.dropped for e in dropped])
             self.stats["sampler/dropped_branches"] = self.stats.get("sampler/dropped_branches", 0.0) + len(
                 dropped
             )
-        ends = {str(ids[e.nodes[-1]]): e.finish for e in p.episodes if e.nodes and not e.dropped}
+        ends = {
+            str(ids.get(e.nodes[-1], e.nodes[-1])): e.finish for e in p.episodes if e.nodes and not e.dropped
+        }
         p.builder.meta["finish"] = json.dumps(ends)
         return p.builder.build()
 
