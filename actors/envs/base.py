@@ -19,7 +19,9 @@ Usage by an agent loop (one episode)::
 Determinism: tools are pure functions of their call, so ``step`` depends only on ``(task, action_text)``
 (and the history, which our envs accept but do not need). Branching a rollout tree from an anchor turn
 therefore needs only that prefix's calls; nothing has to be copied. ``snapshot``/``restore`` exist for
-symmetry with stateful envs and are no-ops here.
+symmetry with stateful envs and are no-ops here. An outside, stateful environment (``env.name = gym``,
+actors/envs/gym) offers no snapshot either: its adapter keeps live instances keyed by the history and
+rebuilds a branch's state by replaying the prefix's actions, checked against what was stored.
 """
 
 from __future__ import annotations
