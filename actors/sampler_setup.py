@@ -33,6 +33,10 @@ def build_env(cfg: Config) -> Environment:
     from actors.envs.retrieval_client import service_client
 
     e = cfg.env
+    if e.name == "gym":  # an outside environment (actors/envs/gym): its factory, pool and replay
+        from actors.envs.gym import build_gym_env
+
+        return build_gym_env(e)
     index = service_client(e)  # None: the environment builds its in-process BM25 index
     if e.name == "synthetic_kb":
         from actors.envs.synthetic_kb import KBConfig
@@ -56,6 +60,9 @@ def load_split(cfg: Config, split: str, env: Environment | None = None) -> list[
     from actors.envs import load_tasks
 
     e = cfg.env
+    if e.name == "gym":  # the ecosystem's own tasks (a verifiers taskset), or the rows of env.data
+        path = e.data if split == "train" else (e.eval_data or e.data)
+        return list((env if env is not None else build_env(cfg)).tasks(path))  # type: ignore[attr-defined]
     if e.name == "synthetic_kb":
         from actors.envs.synthetic_kb import KBConfig
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,7 @@ import numpy as np
 from actors.agent_loop import Episode, LoopLimits, run_episodes
 from actors.async_loop import EpisodeRunner, gather_or_cancel
 from actors.chat import ChatFormat
-from actors.envs.base import Environment, Task
+from actors.envs.base import EnvFailure, Environment, Task
 from actors.turn_server import BatchedTurns, as_turn_server
 from actors.weight_gate import WeightGate, WeightPoller, load_version
 from system.interfaces import StoreClient, StoreUnavailable, WeightSink
@@ -49,6 +50,7 @@ from system.tree import RolloutTree
 from system.tree_build import TreeBuilder, plan_anchors
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class TreeSampler:
                 trees = self.sample(granted)
                 if trees:
                     self.store.put_raw(trees)  # the durable commit: the store writes the bytes it receives
+                    self._trees_stored(trees)
             except BaseException:
                 self.store.release(granted)  # give the reservation back before failing
                 raise
@@ -227,7 +230,13 @@ class TreeSampler:
         if self.external is not None:
             return self.external.grow(self, tasks, rng, ids)
         seeds = rng.integers(1 << 62, size=len(tasks))  # one generator per tree: any loop order, same tree
-        plans = [self._plan(t, i, int(s)) for t, i, s in zip(tasks, ids, seeds, strict=True)]
+        plans = []
+        for task, tree_id, seed in zip(tasks, ids, seeds, strict=True):
+            try:
+                plans.append(self._plan(task, tree_id, int(seed)))
+            except EnvFailure as exc:  # an outside env that cannot even reset for this task: one line
+                self.dropped_trees += 1
+                log.warning("%s; tree %s dropped", exc, tree_id)
         if self.loop == "async":
             self.run_async(_grow_all(self._episode_runner(), plans, self._expand))
         else:
@@ -243,6 +252,8 @@ class TreeSampler:
 
     def _expand(self, p: _Tree) -> list[Episode]:
         """Phase 2 of one tree, once its trajectories are done: the branches from its planned anchors."""
+        if any(e.dropped for e in p.trunks):  # a trunk that is not trained on: its tree goes (_finish)
+            return []
         if not any(e.nodes for e in p.trunks):
             raise ValueError(f"task {p.task.task_id}: the prompt alone exceeds the token budget")
         counts = [len(e.nodes) for e in p.trunks]
@@ -295,14 +306,41 @@ class TreeSampler:
         if any(e.verifier_failed for e in p.episodes) and self.limits.on_verifier_error == "drop_tree":
             self.dropped_trees += 1
             return None
-        p.builder.meta["finish"] = json.dumps({str(e.nodes[-1]): e.finish for e in p.episodes if e.nodes})
+        dropped = [e for e in p.episodes if e.dropped]
+        if any(e.dropped for e in p.trunks):
+            self.dropped_trees += 1
+            log.warning(
+                "tree %s dropped: %s", p.builder.tree_id, next(e.dropped for e in p.trunks if e.dropped)
+            )
+            return None
+        ids: dict[int, int] = {}
+        if dropped:  # dropped branches leave the tree; the others' node ids are renumbered
+            ids = p.builder.remove(n for e in dropped for n in e.nodes)
+            p.builder.meta["dropped_branches"] = json.dumps([e.dropped for e in dropped])
+            self.stats["sampler/dropped_branches"] = self.stats.get("sampler/dropped_branches", 0.0) + len(
+                dropped
+            )
+        ends = {
+            str(ids.get(e.nodes[-1], e.nodes[-1])): e.finish for e in p.episodes if e.nodes and not e.dropped
+        }
+        p.builder.meta["finish"] = json.dumps(ends)
         return p.builder.build()
+
+    def _trees_stored(self, trees: Sequence[RolloutTree]) -> None:
+        """An outside env's live instances of these trees' tasks are closed (actors/envs/gym)."""
+        close_tasks = getattr(self.env, "close_tasks", None)
+        if close_tasks is not None:
+            close_tasks(sorted({str(t.meta.get("task_id")) for t in trees}))
 
     def _run(self, episodes: list[Episode]) -> None:
         run_episodes(episodes, self.backend, self.env, self.chat, self.limits, between_rounds=self.catch_up)
 
     def _builder(self, task: Task, tree_id: str) -> TreeBuilder:
-        prompt = self.chat.initial_context(self.env.system_prompt(), self.env.user_prompt(task))
+        own = getattr(self.env, "prompt_messages", None)  # an outside env: the task's own messages
+        if own is not None:
+            prompt = self.chat.context_of(own(task))  # type: ignore[attr-defined]
+        else:
+            prompt = self.chat.initial_context(self.env.system_prompt(), self.env.user_prompt(task))
         meta = {"task_id": task.task_id, "dataset": task.dataset, "answers": json.dumps(list(task.answers))}
         return TreeBuilder(tree_id, prompt, prompt_id=task.task_id, meta=meta)
 
@@ -329,6 +367,9 @@ class TreeSampler:
     def close(self) -> None:
         if self.external is not None:
             self.external.close()
+        env_close = getattr(self.env, "close", None)  # an outside env: its instances, its worker
+        if env_close is not None:
+            env_close()
         if self._tools is not None:
             self._tools.shutdown()
         if self.poller is not None:

@@ -39,6 +39,7 @@ from configs.fields import (
     Url,
     rule,
 )
+from configs.gym import GymEnvKeys
 from configs.lora import LoraConfig
 from configs.messages import Allowed, message
 from configs.weights import WeightsConfig, is_loopback
@@ -97,8 +98,8 @@ class ModelConfig(_Section):
     threads: PosInt = 1
 
 
-class EnvConfig(_Section):
-    name: Literal["synthetic_kb", "multihop_qa", "deep_research"] = "synthetic_kb"
+class EnvConfig(GymEnvKeys):  # env.factory, env.python, … of env.name = gym: configs/gym.py
+    name: Literal["synthetic_kb", "multihop_qa", "deep_research", "gym"] = "synthetic_kb"
     data: NonEmptyStr | None = None  # dataset file for multihop_qa / deep_research
     corpus: NonEmptyStr | None = None
     eval_data: NonEmptyStr | None = None

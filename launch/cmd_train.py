@@ -114,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
 
             load_harness(cfg.env.harness)
             check_ports(cfg.env.agent_host, cfg.env.agent_port, cfg.sampler.num_samplers)  # P .. P + N - 1
+        if cfg.env.name == "gym":  # the factory imports (in env.python, if set) and the tasks load here
+            from actors.envs.gym import check_gym_env
+
+            check_gym_env(cfg.env)
         model_path = resolve_model(cfg, progress=cfg.logging.progress)
     except (ConfigError, ModelPathError, ValueError) as e:
         print(f"treeopsd train: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ state after turn a_k and its observation o_k, so a branch from k hangs under a_k
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -101,6 +101,33 @@ class TreeBuilder:
             n.policy_version,
             reward,
         )
+
+    def remove(self, node_ids: Iterable[int]) -> dict[int, int]:
+        """Removes these turns and every turn under them (a dropped branch) and renumbers the rest in order;
+        returns old id -> new id of the kept nodes. Only between samplings: ids held elsewhere go stale."""
+        gone = set(node_ids)
+        if ROOT in gone:
+            raise ValueError(f"tree {self.tree_id!r}: the root cannot be removed")
+        for n in self._nodes[1:]:  # a child's id is above its parent's: one pass finds every descendant
+            if n.parent in gone:
+                gone.add(n.node_id)
+        kept = [n for n in self._nodes if n.node_id not in gone]
+        remap = {n.node_id: i for i, n in enumerate(kept)}
+        self._nodes = [
+            make_node(
+                remap[n.node_id],
+                remap.get(n.parent, -1),
+                n.depth,
+                n.tokens,
+                n.loss_mask,
+                n.behavior_logprobs,
+                n.obs_tokens,
+                n.policy_version,
+                None if np.isnan(n.reward) else float(n.reward),
+            )
+            for n in kept
+        ]
+        return remap
 
     def node(self, node_id: int) -> TurnNode:
         return self._nodes[node_id]
