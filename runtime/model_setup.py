@@ -110,7 +110,9 @@ def tiny_model_dir(cfg: Config, steps: int | None = None, models_dir: str | Path
     if (dims := cfg.model.tiny.model_dump()) != DEFAULT_DIMS:
         settings["dims"] = dims  # the default model keeps its cache folder
     if cfg.env.think_tokens > 0:
-        settings["think"] = True
+        from actors.policy.warmstart import THINK_STEPS
+
+        settings["think"] = THINK_STEPS
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     return Path(models_dir or Path(cfg.run.run_dir).parent / "models") / f"tiny-{digest}"
 

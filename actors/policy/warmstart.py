@@ -280,7 +280,7 @@ def evaluate_greedy(
 # ---- the whole warm-start -----------------------------------------------------------------------------
 DEFAULT_DIMS = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "vocab": 1024}  # configs: model.tiny
 EVAL_THINK_CHUNKS = 8  # the warm start's own evaluation with thinking: spans of 64 tokens
-THINK_STEPS, THINK_BATCH = 600, 8  # the thinking phase after the task's SFT (budgets: oracle_examples)
+THINK_STEPS, THINK_BATCH = 400, 8  # the thinking phase after the task's SFT (budgets: oracle_examples)
 THINK_POSITIONS = 8192  # a thinking model's context: 7 turns of the longest span, and their observations
 
 
@@ -328,7 +328,7 @@ def warmstart(
     if dims and dims != DEFAULT_DIMS:
         knobs["dims"] = dict(sorted(dims.items()))  # the default model keeps its cache key
     if think:
-        knobs["think"] = True
+        knobs["think"] = THINK_STEPS  # the spans' phase: its length is part of what the model is
     settings, digest = _settings(**knobs, warmup=warmup, schedule=schedule, eval_per_hop=eval_per_hop)
     if (hit := _cached(out, digest)) is not None:
         return hit
