@@ -55,6 +55,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --strict --ignore-missing-imports system/ learner/losses.py configs/
+	$(VENV)/bin/mypy --strict --ignore-missing-imports --follow-imports=silent runtime/
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

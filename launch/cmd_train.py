@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prepare_run_dir(cfg, args.resume)
     before = evaluate_split(cfg, model_path) if args.eval else None
+    from runtime.decisions import RoleFailed
     from runtime.learner_group import LearnerRankError
     from runtime.ray_run import ray_training
-    from runtime.restart_policy import RoleFailed, resume_command
     from runtime.signals import Abort
 
     again = resume_command(sys.argv[1:], cfg.run.run_dir)
@@ -163,3 +165,12 @@ def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
         return evaluate(
             cfg, model_path, tasks, env, progress=cfg.logging.progress, samples=cfg.run.eval_samples
         )
+
+
+def resume_command(argv: Sequence[str], run_dir: str) -> str:
+    """The command line that continues this run: the same arguments with --resume (and the run directory)."""
+    args = [a for a in argv if a != "--resume"]
+    args = args[1:] if args[:1] == ["train"] else args  # sys.argv[1:] starts with the subcommand
+    if not any(a == "--run-dir" or a.startswith(("--run-dir=", "run.run_dir=")) for a in args):
+        args += ["--run-dir", run_dir]
+    return shlex.join(["treeopsd", "train", "--resume", *args])

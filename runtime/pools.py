@@ -91,11 +91,13 @@ def actor_nodes(alive_only: bool = True) -> dict[str, list[str]]:
     the dashboard that `ray[default]` brings)."""
     from ray.util.state import list_actors
 
-    filters = [("state", "=", "ALIVE")] if alive_only else None
+    filters: list[tuple[str, str, str | bool | int | float]] | None = None
+    if alive_only:
+        filters = [("state", "=", "ALIVE")]
     actors = list_actors(
         address=ray.get_runtime_context().gcs_address, filters=filters, limit=10_000, timeout=30
     )
-    rows = [(a.class_name, a.node_id) for a in actors]
+    rows = [(a.class_name, str(a.node_id)) for a in actors]
     out: dict[str, list[str]] = {}
     for class_name, node_id in rows:
         out.setdefault(class_name, []).append(node_id)

@@ -23,6 +23,7 @@ from learner_group_fixtures import (
 
 from storage.checkpoint import load_latest
 from storage.dcp_checkpoint import full_model_tensors
+from system.roles import HostRole
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # fp32 summation order differs between 1 and 2 ranks (~1e-7 relative); Adam's normalized update turns a
@@ -117,7 +118,7 @@ def test_a_lost_rank_ends_the_step_naming_it_and_resume_trains_every_batch_once(
     group = start_group(cfg, tiny_model_dir, store)
     try:
         trained.append(train(group)["learner/batch_index"])
-        os.kill(ray.get(group.actors[1].pid.remote()), signal.SIGKILL)
+        os.kill(ray.get(group.actors[1].host(HostRole.pid)), signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(LearnerRankError, match=r"learner rank 1 died") as died:
             train(group)
@@ -130,7 +131,7 @@ def test_a_lost_rank_ends_the_step_naming_it_and_resume_trains_every_batch_once(
     stopped = None
     try:
         trained.append(train(group)["learner/batch_index"])  # batch 1, handed out again after the rewind
-        stopped = ray.get(group.actors[1].pid.remote())
+        stopped = ray.get(group.actors[1].host(HostRole.pid))
         os.kill(stopped, signal.SIGSTOP)  # alive but never joins the next collective
         t0 = time.monotonic()
         with pytest.raises(LearnerRankError, match=r"learner rank 1 hung") as hung:
