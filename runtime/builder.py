@@ -1,15 +1,12 @@
 """One builder of the roles for both wirings: `make_store`, `make_sampler`, `make_backup`, `make_learner`, and
 the one model loader (`load_model`). runtime/local.py calls them in one process with the store object and the
-in-memory weight channel; on Ray each role's actor calls the same function with its links (a store client, the
-ZeroMQ publisher or subscriber), so a setting applied in one wiring is applied in the other.
+in-memory weight channel; on Ray each role's actor (its host class is here) calls the same function with its
+links (a store client, the ZeroMQ publisher or subscriber), so a setting applied in one wiring is applied in
+the other. A Ray worker imports the module of its actor's class: nothing heavy is imported at the top here
+(torch, transformers, vLLM load inside the builders), so a restarted store or backup is up in seconds.
 
-    store = make_store(cfg.store_dir, **store_options(cfg))
     learner = make_learner(cfg, model_path, store=store, weights=channel)          # runtime/local.py
     SamplerActor = host_class("SamplerActor", SamplerRole, sampler_on_ray)       # the same, in an actor
-
-The host classes live here, beside their build functions: a Ray worker imports the module that defines its
-actor's class, so this module imports nothing heavy at its top (torch, transformers, vLLM, RLlib load inside
-the builders): a restarted store or backup is up in seconds.
 """
 
 from __future__ import annotations

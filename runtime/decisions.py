@@ -233,41 +233,26 @@ Decision = (
 
 
 @dataclass
-class RestartBudget:
-    """At most `limit` restarts of one role in one run; the causes, newest last. `decide` reads it."""
-
-    limit: int
-    causes: list[str] = field(default_factory=list)
-
-    @property
-    def used(self) -> int:
-        return len(self.causes)
-
-
-@dataclass
 class Budgets:
-    """Restarts used so far, per role (per slot for the samplers); only the fault tolerance writes them."""
+    """Restarts used so far, per role (per slot for the samplers), with their causes; only the fault tolerance
+    writes them (`record`), `decide` reads them."""
 
     limits: dict[str, int]
-    used_by: dict[tuple[str, int], RestartBudget] = field(default_factory=dict)
+    causes: dict[tuple[str, int], list[str]] = field(default_factory=dict)
 
     @classmethod
     def from_limits(cls, *, learner: int, store: int, backup: int, sampler: int) -> Budgets:
         limits = {"learner": learner, "store": store, "backup": backup, "sampler": sampler}
         return cls({**limits, "retrieval": RETRIEVAL_RESTARTS})
 
-    def _key(self, role: str, index: int) -> tuple[str, int]:
-        return role, index if role == "sampler" else 0
-
     def used(self, role: str, index: int = 0) -> int:
-        budget = self.used_by.get(self._key(role, index))
-        return 0 if budget is None else budget.used
+        return len(self.causes.get((role, index if role == "sampler" else 0), []))
 
     def record(self, role: str, index: int, cause: str, n: int = 1) -> int:
-        """Counts `n` restarts (the fault-tolerance object, for one it applied or Ray did); the count now."""
-        budget = self.used_by.setdefault(self._key(role, index), RestartBudget(self.limits[role]))
-        budget.causes.extend([cause] * n)
-        return budget.used
+        """Counts `n` restarts (one applied, or Ray's own); never refuses: `decide` stops. The count now."""
+        causes = self.causes.setdefault((role, index if role == "sampler" else 0), [])
+        causes.extend([cause] * n)
+        return len(causes)
 
 
 def backoff_s(attempt: int, base_s: float = 1.0, cap_s: float = 30.0) -> float:

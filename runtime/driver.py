@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,29 +26,18 @@ from configs.schema import Config
 from runtime.external_tally import ExternalTally
 from runtime.fault_tolerance import FaultTolerance, Observed, Resync
 from runtime.learner_group import LearnerRankError
+from runtime.progress import Progress, store_metrics
 from runtime.roles import Roles
 from runtime.signals import Abort, GracefulStop
 from runtime.topology import init_ray, role_options  # noqa: F401  (re-exported for the run's callers)
 from storage.durable import write_atomic
+from storage.run_control import read_control
 from system.interfaces import MetricsSink
 from system.roles import BackupRole, LearnerRole, SamplerRole, StoreRole
 
 start_topology, stop_topology = Roles.start, Roles.stop  # the names the run's callers and tests know
 log = logging.getLogger(__name__)
-CONTROL_FILE = "control.json"
 DRAIN_S = 60.0  # at the end of a harness run: the sampler calls in flight may finish (their counters counted)
-
-
-def read_control(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """`treeopsd scale` writes run_dir/control.json atomically; None when there is none."""
-    path = Path(run_dir) / CONTROL_FILE
-    try:
-        return dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as e:
-        log.warning("ignoring unreadable %s: %s", path, e)
-        return None
 
 
 class Driver:
@@ -65,7 +52,7 @@ class Driver:
         stop: GracefulStop | None = None,
         ft: FaultTolerance | None = None,
     ) -> None:
-        self.cfg, self.topo, self.sink, self.progress = cfg, topo, sink, progress
+        self.cfg, self.topo, self.sink = cfg, topo, sink
         self.ft = ft or FaultTolerance(cfg, topo)  # the run's failure state, and the one way to act on it
         self.metrics = MetricsLogger()
         self.step = int(ray.get(topo.learner.call(LearnerRole.progress))["version"])  # one step, one version
@@ -73,6 +60,7 @@ class Driver:
         self.ft.check_store(self.step)  # the store's pid: a later new one is a restart
         self.sampler_metrics: dict[int, dict[str, float]] = {}  # latest snapshot per sampler
         self.external = ExternalTally() if cfg.env.harness else None  # external/* over the run (env.harness)
+        self.progress = Progress(cfg, progress, self.external)  # the bar, or a step line
         self.control_seq = (read_control(cfg.run.run_dir) or {}).get("seq", 0)
         self.last_flush = time.perf_counter()
         self.stop = stop  # runtime/signals.py: set once SIGINT/SIGTERM asked for a stop
@@ -112,9 +100,7 @@ class Driver:
         if resync.step_metrics is not None:
             self.sink.log(resync.step_metrics, resync.version)
         self.step = resync.version
-        if self.progress is not None:
-            self.progress.n = resync.version
-            self.progress.refresh()
+        self.progress.moved_to(resync.version)
 
     def _check_control(self) -> None:
         control = read_control(self.cfg.run.run_dir)
@@ -198,19 +184,7 @@ class Driver:
         self.sink.histogram(
             "store/version_lag", ray.get(self.topo.learner.call(LearnerRole.pop_lags)), self.step
         )
-        ext = None if self.external is None else self.external.short()  # "ext 12ep 3side 0drop"
-        if self.progress is not None:
-            self.progress.update(1)
-            postfix = {
-                "reward": f"{out.get('reward/mean', 0):.3f}",
-                "loss": f"{out.get('learner/loss', 0):.4f}",
-            }
-            self.progress.set_postfix(
-                postfix if ext is None else {**postfix, "ext": ext.removeprefix("ext ")}
-            )
-        if getattr(self.progress, "disable", True) and self.step % self.cfg.logging.log_every == 0:
-            line = step_line(out, self.step, self.cfg.run.steps, ext)  # no bar: a line every log_every steps
-            print(line, file=sys.stderr, flush=True)
+        self.progress.trained(out, self.step)
 
     def finish_step(self, finish_s: float = 600.0) -> bool:
         """Lets the learner step in flight end (its metrics logged) without starting another; True when it
@@ -277,7 +251,7 @@ class Driver:
         store = self.ft.store.call(StoreRole.stats)
         values = {k: float(s.peek()) for k, s in self.metrics.reduce().items()}
         values.update(backup)
-        values.update(_store_metrics(store))
+        values.update(store_metrics(store))
         values["sampler/healthy"] = float(len(healthy))
         values["sampler/restarts"] = float(self.topo.samplers_restarted())
         values.update(self.ft.metrics())
@@ -291,21 +265,3 @@ class Driver:
             return dict(ray.get(self.topo.backup.call(BackupRole.get_metrics), timeout=30))
         except (ray.exceptions.RayError, TimeoutError):
             return {}
-
-
-def _store_metrics(stats: dict[str, Any]) -> dict[str, float]:
-    trees = stats["trees"]
-    out = {f"store/trees_{k}": float(trees[k]) for k in ("raw", "credited", "consumed", "total")}
-    out["store/trees_pending"] = float(trees["raw"] + trees["credited"])
-    out["store/quarantined"] = float(stats["quarantined"])
-    out["store/reserved"] = float(stats["admission"]["reserved"])
-    return out
-
-
-def step_line(metrics: dict[str, float], step: int, target: int, ext: str | None = None) -> str:
-    """The line a run without a progress bar prints every `logging.log_every` steps (`ext`: the external
-    agent's counters, runtime/external_tally.py, with env.harness)."""
-    reward, loss = metrics.get("reward/mean", float("nan")), metrics.get("learner/loss", float("nan"))
-    step_s = metrics.get("learner/step_s", float("nan"))
-    line = f"step {step}/{target}: reward {reward:.3f}, loss {loss:.4f}, learner {step_s:.2f} s/step"
-    return line if ext is None else f"{line}, {ext}"

@@ -9,8 +9,8 @@ decision out through runtime/roles.py:Roles. Nothing else writes its state
     ft.check_store(step); ft.check_samplers(step); ft.check_retrieval(step)   # the driver's flush
     ft.metrics(); ft.summary()                       # supervision/restarts_<role>, the batch events
 
-Every restart is a log line naming the role and the cause, and a metric; a stop is one line (`RoleFailed`, or
-a ConfigError naming the key), to which `treeopsd train` adds the resume command.
+Every restart is a log line naming the role and its cause, and a metric; a stop is one line (`RoleFailed`, or
+a ConfigError naming the key).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from actors.failures import SamplerFailure, from_ray_error
 from configs.schema import Config, ConfigError
 from runtime import decisions as d
 from runtime.learner_group import LearnerRankError
+from runtime.pools import gcs_restarts
 from runtime.roles import Roles
 from runtime.signals import Abort
 from runtime.store_client import StoreGone, StoreLink, one_line, store_pid
@@ -36,12 +37,7 @@ from system.roles import HostRole, LearnerRole, RetrievalRole, StoreRole
 log = logging.getLogger("treeopsd.supervision")
 LEARNER_PING_S = 60.0
 ENDPOINT_SIGNS = ("agent endpoint", "agent_port")  # actors/external/endpoint.py's own failures
-CONFIG_FAILED: dict[str, Callable[..., d.Failure]] = {
-    "store": d.StoreFailed,
-    "backup": d.BackupFailed,
-    "retrieval": d.RetrievalFailed,
-    "learner": d.LearnerFailed,
-}
+FAILED: dict[str, Callable[..., d.Failure]] = {t.role: t for t in get_args(d.Failure)}  # role -> its type
 
 
 class Observed(RuntimeError):
@@ -108,7 +104,7 @@ class FaultTolerance:
         if role == "run":
             return d.RunFailed("interrupted", str(e), getattr(e, "signum", 2))
         if key is not None:
-            return CONFIG_FAILED[role]("config", cause, key=key)
+            return FAILED[role]("config", cause, key=key)
         if role == "store":  # Ray restarts it in place; StoreGone: it will not
             if isinstance(e, StoreGone):
                 return d.StoreFailed("unavailable", self._last_store_error or cause)
@@ -345,18 +341,6 @@ class FaultTolerance:
         counts = [gcs_restarts(i) for i in self.roles.ask_samplers(HostRole.actor_id).values()]
         seen = self.roles.samplers_restarted()
         return seen if None in counts else max(seen, sum(c for c in counts if c is not None))
-
-
-def gcs_restarts(actor_id: str) -> int | None:
-    """How often Ray restarted the actor `actor_id` (hex), from Ray's public state API; None where it cannot
-    say (no dashboard, an old Ray): then only the restarts seen here are counted."""
-    try:
-        from ray.util.state import get_actor
-
-        actor = get_actor(actor_id, timeout=10)
-        return None if actor is None else int(actor.num_restarts)
-    except Exception:  # any state-API failure only costs the count of restarts never seen here
-        return None
 
 
 def _kind(e: BaseException) -> d.BackupKind:

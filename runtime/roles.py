@@ -43,8 +43,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """What every sampler is built from: the config dict, the model, the store's name and the learner's
-    weight endpoint (address, CURVE key)."""
+    """What every sampler is built from: config dict, model, store name, weight endpoint and CURVE key."""
 
     data: dict[str, Any]
     model_path: str

@@ -5,10 +5,9 @@ runtime's one line for an error (`one_line`).
     store.call(StoreRole.stats)                         # any store method, through the same policy
     StoreLink(handle, on_lost=store_unavailable)        # a sampler's: its call ends, the sampler lives on
 
-Ray restarts a dead store in place (`run.max_store_restarts`): every client keeps its handle, and a call in
-flight at the death, or made while it restarts, fails with a `RayActorError`. The policy: such a call hands
-the error to `on_lost` — which waits until the store answers again (the driver: runtime/fault_tolerance.py),
-or raises (a sampler: `StoreUnavailable`, which ends its call but not its process) — and is made once more.
+Ray restarts a dead store in place (`run.max_store_restarts`); a call in flight at the death, or made while it
+restarts, fails with a `RayActorError`, is handed to `on_lost` (which waits for the store, or raises) and is
+made once more (docs/design.md §14, "The store").
 """
 
 from __future__ import annotations
