@@ -147,8 +147,10 @@ ONLY_IN = {  # what may appear in one file of the tree only
     "ray.kill": "runtime/roles.py",  # the one place an actor is stopped
     "start_actor(…)": "runtime/roles.py",
     "foreach_actor…(…)": "runtime/roles.py",  # RLlib's manager: the sampler pool's owner
+    "FaultTolerantActorManager": "runtime/roles.py",  # the one thing that knows sampler health
 }
 PROTOCOLS = {p.__name__: p for p in (*ROLES.values(), HostRole)}
+MANAGER = "FaultTolerantActorManager"
 
 
 def tree_sources() -> dict[str, str]:
@@ -170,6 +172,8 @@ def actor_calls(module: str, source: str) -> list[str]:
             and node.attr in ("remote", "kill")
         ):
             out.append(f"{where} ray.{node.attr}")
+        if getattr(node, "id", getattr(node, "name", None)) == MANAGER:  # a Name, or an imported alias
+            out.append(f"{where} {MANAGER}")
         if isinstance(node, ast.Call):
             f = node.func
             called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
@@ -209,6 +213,7 @@ def test_an_undeclared_or_misplaced_call_anywhere_fails_the_scan() -> None:
     sources = tree_sources()
     added = {
         "runtime/driver.py": [
+            "m = FaultTolerantActorManager([], 1)",  # a second owner of sampler health
             "ray.get(self.topo.store.actor.compact.remote())",  # a raw call on the actor, by any name
             "self.topo.store.call(StoreRole.compact)",  # through the handle, a method StoreRole lacks
             "f = lambda h: h.vacuum.remote()",  # through a lambda
