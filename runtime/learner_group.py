@@ -6,6 +6,7 @@ placement group, one bundle per rank (docs/design.md §12); the ranks take the b
     refs = group.call(LearnerRole.train_step, 0.05)   # every rank runs the step: it is a run of collectives
     done, out = group.poll(refs, timeout_s=0.05)   # rank 0's answer once all are done; raises
                                                    # LearnerRankError naming the rank that died or hung
+    pg, options, address = rank_placement(cfg, ranks, opts)   # where each rank's actor goes
 
 The bundles ask for the role's CPUs and GPUs (and its `resources.learner.pool`, as one actor does), packed
 onto as few nodes as fit them, so the group spans nodes only when one node is too small. Rank 0's node

@@ -41,9 +41,8 @@ def ray_training(cfg: Any, model_path: str, resume: bool = False) -> Iterator[Dr
         tb = (run_dir / "tb").resolve()
         print(f"watch it: tensorboard --logdir {tb} --host 127.0.0.1", file=sys.stderr)
     with GracefulStop() as stop:  # after init_ray: replaces Ray's SIGTERM handler
-        topo: Roles | None = Roles.start(cfg, model_path, resume)
-        assert topo is not None
-        ft = FaultTolerance(cfg, topo)
+        topo = Roles.start(cfg, model_path, resume)
+        ft, stopped_now = FaultTolerance(cfg, topo), False
         record_local_ray(run_dir)
         try:
             with tqdm(
@@ -53,11 +52,11 @@ def ray_training(cfg: Any, model_path: str, resume: bool = False) -> Iterator[Dr
                 bar.update(driver.step)
                 yield driver
         except Abort as e:
-            topo = None  # the decision kills every actor at once: nothing left to stop one by one
+            stopped_now = True  # the decision kills every actor at once: nothing left to stop one by one
             ft.failed("run", e, step=0)  # StopNow: raises Abort again
             raise
         finally:
-            if topo is not None:
+            if not stopped_now:
                 topo.stop()
             sink.close()
 

@@ -54,10 +54,14 @@ def xdist_group(nodeid: str, fixturenames, explicit: str | None = None) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
+    on_worker = bool(os.environ.get("PYTEST_XDIST_WORKER")) and config.getoption("loadgroup", False)
     for item in items:
         mark = item.get_closest_marker("xdist_group")
+        group = xdist_group(item.nodeid, item.fixturenames, mark.args[0] if mark else None)
         if mark is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid, item.fixturenames)))
+            item.add_marker(pytest.mark.xdist_group(group))
+        if on_worker and "@" not in item.nodeid:
+            _name_group(item, group)
     try:
         import torch
 
@@ -68,6 +72,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+def _name_group(item, group: str) -> None:
+    """The group as the suffix of the test's id that xdist's loadgroup scheduler reads (`id@group`). xdist
+    3.8 writes it into `item._nodeid`, which pytest 9.2 no longer reads (its ids are structured, `item._id`),
+    so its loadgroup silently stops grouping (pytest-dev/pytest-xdist#1386): it is written here instead."""
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,15 @@ with its module; read from a real collection of those modules."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from conftest import xdist_group
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FILES = [
     "tests/ray/test_supervision.py",  # the session's Ray instance (ray_cluster)
@@ -45,3 +52,17 @@ def test_the_group_rule():
     assert xdist_group("tests/c/b.py::t", ["vllm_lora_backend"]) == "vllm"
     assert xdist_group("tests/c/b.py::t[1]", ["tmp_path"]) == "tests/c/b.py"
     assert xdist_group("tests/ray/a.py::t", ["ray_cluster"], explicit="mine") == "mine"
+
+
+def test_xdist_runs_each_group_on_one_worker():
+    """Two workers, two modules of two tests each: each module's tests on one worker (with pytest 9.2 and
+    xdist 3.8 they would be dealt out one by one, pytest-dev/pytest-xdist#1386, without conftest's fix)."""
+    modules = ["tests/unit/test_step_line.py", "tests/unit/test_external_tally.py"]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v"]
+    done = subprocess.run([*cmd, *modules], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:]
+    ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+?)::(\S+)@(\S+)", done.stdout)
+    assert len(ran) == 4, done.stdout[-2000:]
+    for module in modules:
+        workers = {w for w, path, _, group in ran if path == module and group == module}
+        assert len(workers) == 1, (module, ran)
