@@ -181,6 +181,9 @@ def actor_calls(module: str, source: str) -> list[str]:
                 isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "ray"
             ):
                 out.append(f"{where} .remote(…)")
+            first = node.args[0] if node.args else None
+            if called == "call" and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                out.append(f"{where} a method by name: {first.value}")  # Handle.call takes Role.method
             if called == "start_actor":
                 out.append(f"{where} start_actor(…)")
             if called.startswith("foreach_actor"):
@@ -218,6 +221,7 @@ def test_an_undeclared_or_misplaced_call_anywhere_fails_the_scan() -> None:
             "self.topo.store.call(StoreRole.compact)",  # through the handle, a method StoreRole lacks
             "f = lambda h: h.vacuum.remote()",  # through a lambda
             "self.topo._pool.foreach_actor('close')",  # the sampler pool by name, outside Roles
+            "self.topo.learners.call('train_step', 0.05)",  # a method by name
         ],
         "faults/processes.py": ["ray.kill(handle)"],
         "benchmarks/bench_pipeline.py": ["from ray import remote", "ray.remote(f)"],
