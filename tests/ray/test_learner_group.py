@@ -126,7 +126,7 @@ def test_a_lost_rank_ends_the_step_naming_it_and_resume_trains_every_batch_once(
         assert time.monotonic() - t0 < timeout
         print(died.value)
     finally:
-        group.stop(timeout_s=5)
+        stop_learner_group(group, timeout_s=5)
 
     group = start_group(cfg, tiny_model_dir, store, resume=True)
     stopped = None
@@ -143,7 +143,7 @@ def test_a_lost_rank_ends_the_step_naming_it_and_resume_trains_every_batch_once(
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGKILL)  # the test's own stopped process
-        group.stop(timeout_s=5)
+        stop_learner_group(group, timeout_s=5)
 
     group = start_group(cfg, tiny_model_dir, store, resume=True)
     try:
