@@ -21,10 +21,11 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 	bash launch/setup_venv.sh $(VENV)
 	touch $(STAMP)
 
-# Three pytest lanes side by side (tools/test_lanes.py): the Ray tests, the other slow/vLLM ones (then the
-# Ray tests that need no shared instance), the rest; the last line gives each lane's minutes.
+# Every test on 3 pytest-xdist workers: the tests that share one local Ray instance run on one worker, those that
+# share the vLLM engine on one, every other module wherever a worker is free (tests/conftest.py:xdist_group).
+TEST_WORKERS ?= 3
 test: $(STAMP) browser
-	$(PY) tools/test_lanes.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # Debian's Chromium for the browser test of `treeopsd view`, where it is missing (~45 s; root and apt-get)
 browser:
@@ -59,6 +60,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --strict --ignore-missing-imports system/ learner/losses.py configs/
+	$(VENV)/bin/mypy --strict --ignore-missing-imports --follow-imports=silent runtime/
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -1,8 +1,8 @@
-"""Building the sampler's parts from a Config: environment, task splits, policy backend, loop limits, and
-the sampler role itself (`build_sampler`). Construction only; the role's work is in actors/tree_sampler.py.
+"""Building the sampler's parts from a Config: environment, task splits, policy backend, loop limits
+(`sampler_parts`: TreeSampler's constructor arguments). The role itself is built by runtime/builder.py's
+`make_sampler`, for both wirings; the role's work is in actors/tree_sampler.py.
 
-    sampler = build_sampler(cfg, model_path, index=0, store=store, weights=sink)
-    sampler.sample_and_commit(4)                    # 4 admitted prompts → 4 trees in the store
+    parts = sampler_parts(cfg, model_path, index=0)          # backend, env, tasks, limits, RNG, ...
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ import numpy as np
 from actors.agent_loop import LoopLimits
 from actors.envs.base import Environment, Task
 from actors.failures import explain
-from actors.heap import freeze_long_lived
 from actors.protocols import bind_protocol
-from actors.tree_sampler import TreeSampler, TreeShape
+from actors.tree_sampler import TreeShape
 from configs.schema import Config
 from storage.role_log import role_log_path
-from system.interfaces import StoreClient, WeightSink
 from system.policy import PolicyBackend, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -183,23 +181,6 @@ def external_trees(cfg: Config, protocol: Any, index: int = 0) -> Any:
     ext.discovery = Discovery(cfg.run.run_dir, index)  # withdrawn when the sampler closes
     ext.discovery.publish(reachable_url(endpoint.url, e.agent_host))
     return ext
-
-
-def build_sampler(
-    cfg: Config,
-    model_path: str,
-    index: int = 0,
-    incarnation: int = 0,
-    *,
-    store: StoreClient | None = None,
-    weights: WeightSink | None = None,
-    backend: PolicyBackend | None = None,
-) -> TreeSampler:
-    """The sampler role; `store` and `weights` are where its trees go and where its weights come from."""
-    parts = sampler_parts(cfg, model_path, index, incarnation, backend)
-    sampler = TreeSampler(**parts, store=store, weights=weights)
-    freeze_long_lived()  # engine, model, env and index: out of every full collection (actors/heap.py)
-    return sampler
 
 
 def load_tokenizer(model_path: str) -> Any:

@@ -1,5 +1,5 @@
 """The sampler role: initialize–expand rollout trees (docs/algorithm.md §2) for admitted prompts, committed to
-the store. Built from a config by `actors/sampler_setup.py:build_sampler`; on Ray an actor holds one
+the store. Built from a config by `runtime/builder.py:make_sampler`; on Ray an actor holds one
 (runtime/sampler_role.py) and forwards its calls.
 
     sampler = TreeSampler(backend, env, ChatFormat.from_tokenizer(tok), TreeShape(M=4, N=2), LoopLimits(),

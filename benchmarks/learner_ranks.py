@@ -126,11 +126,11 @@ def _learner(spec: dict, rank: int) -> Any:
     if spec["world"] == 1:
         return Learner(model, cfg, tokenizer=tokenizer)
     from learner.distributed import init_process_group
-    from learner.sharded import ShardedLearner
+    from learner.sharded import sharded_learner
 
     timeout = cfg.learner.collective_timeout_s
     init_process_group(rank, spec["world"], "127.0.0.1", spec["port"], timeout, learner_device(cfg))
-    return ShardedLearner(model, cfg, tokenizer=tokenizer)
+    return sharded_learner(model, cfg, tokenizer=tokenizer)
 
 
 def _barrier(world: int) -> None:

@@ -1,12 +1,5 @@
-"""Where the roles run on Ray: the local instance or the cluster, and each role's resources. The actors
-themselves are started, replaced and stopped by runtime/roles.py:Roles alone (`start_topology` and
-`stop_topology` there are its entry points under their old names); runtime/driver.py's
-Driver schedules them and applies what runtime/decisions.py decides when one fails.
-
-Each actor holds one role object (runtime/remote.py: `ray.remote` is applied there and nowhere else):
-`ReplayStore`, `TreeSampler`, `BackupWorker`, `Learner` (runtime/store_hosts.py, sampler_role.py,
-learner_roles.py); each role gets a `RemoteStore` client, so the step sequence they run is the one
-`runtime/local.py` runs in one process.
+"""Where the roles run on Ray: the local instance or the cluster (`init_ray`), and each role's resources
+(`role_options`). runtime/roles.py:Roles starts, replaces and stops the actors.
 """
 
 from __future__ import annotations
@@ -51,7 +44,7 @@ def init_ray(cfg: Config | None = None) -> None:
         os.environ.setdefault(key, value)
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV}}
     # roles log to their own files; the driver prints warnings and above only
-    quiet = {"runtime_env": env, "log_to_driver": False, "logging_level": logging.WARNING}
+    quiet: dict[str, Any] = {"runtime_env": env, "log_to_driver": False, "logging_level": logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
     else:

@@ -45,10 +45,6 @@ class TurnNode:
     policy_version: int = 0
     reward: float = float("nan")  # finite on leaves, NaN elsewhere
 
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
     def equals(self, other: TurnNode) -> bool:
         """Exact equality, NaN-aware (log-probs of masked tokens may be NaN)."""
         return (

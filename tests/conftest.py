@@ -34,7 +34,34 @@ settings.register_profile("explore", derandomize=False, print_blob=True, deadlin
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# `make test` runs the suite on pytest-xdist workers (`-n 3 --dist loadgroup`): a group's tests run on
+# one worker, one after another. The tests that share a process-wide resource through these fixtures form
+# one group each (one local Ray instance, one vLLM engine); every other test goes with its module (its
+# module fixtures built once). A test may name its own group (`@pytest.mark.xdist_group("...")`): the
+# real-model run does, so it runs beside the shared instance's tests on a Ray instance of its own.
+SHARED = {
+    "ray": ("ray_cluster", "gpu_cluster", "two_nodes", "ray_local"),
+    "vllm": ("vllm_backend", "vllm_lora_backend"),
+}
+
+
+def xdist_group(nodeid: str, fixturenames, explicit: str | None = None) -> str:
+    """The xdist group of a test: its own mark's, a SHARED resource's, else its module's."""
+    if explicit is not None:
+        return explicit
+    return next((g for g, names in SHARED.items() if set(names) & set(fixturenames)), nodeid.split("::")[0])
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
+    on_worker = bool(os.environ.get("PYTEST_XDIST_WORKER")) and config.getoption("loadgroup", False)
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        group = xdist_group(item.nodeid, item.fixturenames, mark.args[0] if mark else None)
+        if mark is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        if on_worker and "@" not in item.nodeid:
+            _name_group(item, group)
     try:
         import torch
 
@@ -45,6 +72,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+def _name_group(item, group: str) -> None:
+    """The group as the suffix of the test's id that xdist's loadgroup scheduler reads (`id@group`). xdist
+    3.8 writes it into `item._nodeid`, which pytest 9.2 no longer reads (its ids are structured, `item._id`),
+    so its loadgroup silently stops grouping (pytest-dev/pytest-xdist#1386): it is written here instead."""
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ import pytest
 from learner_group_fixtures import batches, group_cfg, reference, start_group, store_with, train
 from test_two_node_pools import two_nodes  # noqa: F401  (the module-scoped two-node cluster fixture)
 
+from runtime.roles import stop_learner_group
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
@@ -23,7 +25,7 @@ def test_two_ranks_on_two_nodes_train_a_step(two_nodes, tmp_path, tiny_model_dir
         where = actor_nodes()["LearnerRankActor"]
         out = train(group)
     finally:
-        group.stop()
+        stop_learner_group(group)
     assert len(set(where)) == 2, where  # one rank per node
     want = ref.step(trees)
     assert out["learner/loss"] == pytest.approx(want["learner/loss"], abs=1e-5)

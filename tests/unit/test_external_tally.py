@@ -1,8 +1,8 @@
 """The run's `external/*` counters (issue 47): summed over samplers, cumulative over the run through a
 sampler's restart (its counters start from 0 again) and its retirement; the step line's short form."""
 
-from runtime.driver import step_line
 from runtime.external_tally import ExternalTally
+from runtime.progress import step_line
 
 
 def test_counters_sum_over_samplers_and_survive_restarts_and_retirement():
