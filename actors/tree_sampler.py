@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -58,14 +58,24 @@ class TreeShape:
     anchor_shortfall: str = "skip"
 
 
+@dataclass(frozen=True)
+class Grown:
+    """What a tree source returns: the trees, and how many trees it dropped (all their episodes failed)."""
+
+    trees: list[RolloutTree]
+    dropped: int = 0
+
+
 class TreeSource(Protocol):
     """Where trees come from instead of the own agent loop: a harness driven through the agent endpoint
-    (actors/external/trees.py, `env.harness`). Admission, commit and metrics stay the sampler's; its own
-    counters (`metrics()`) join the sampler's metrics."""
+    (actors/external/trees.py, `env.harness`). Admission, commit and metrics stay the sampler's. A source
+    reads the sampler's `env`, `shape`, `limits` and `max_inflight`, and runs its episodes through
+    `sampler.run_round` (the backend, the weight gate, the sampler's occupancy counters); it keeps its own
+    counters (`metrics()`, joined to the sampler's) and writes nothing of the sampler's."""
 
     def grow(
         self, sampler: TreeSampler, tasks: Sequence[Task], rng: np.random.Generator, ids: Sequence[str]
-    ) -> list[RolloutTree]: ...
+    ) -> Grown: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -225,7 +235,9 @@ class TreeSampler:
             else [f"{t.task_id}-{rng.integers(1 << 62):x}" for t in tasks]
         )
         if self.external is not None:
-            return self.external.grow(self, tasks, rng, ids)
+            grown = self.external.grow(self, tasks, rng, ids)
+            self.dropped_trees += grown.dropped
+            return grown.trees
         seeds = rng.integers(1 << 62, size=len(tasks))  # one generator per tree: any loop order, same tree
         plans = [self._plan(t, i, int(s)) for t, i, s in zip(tasks, ids, seeds, strict=True)]
         if self.loop == "async":
@@ -276,6 +288,16 @@ class TreeSampler:
         if self._server is None:
             self._server = as_turn_server(self.backend)
         return self._server
+
+    def run_round(self, episodes: Callable[[TurnServer, WeightGate], Awaitable[T]]) -> T:
+        """Runs `episodes(server, gate)` to its end with the weight gate watching (a tree source's round):
+        new weights between turns, the round's occupancy in the sampler's counters."""
+        server = self.turn_server()
+        gate = WeightGate(server, self.poller, self.stats)
+        runner = EpisodeRunner(
+            server, self.env, self.chat, self.limits, gate, max_inflight=1, tools=None, stats=self.stats
+        )
+        return self.run_async(runner.drive(episodes(server, gate)))
 
     def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs a coroutine over the turn server to its end, on the loop it needs (vLLM: the engine's)."""

@@ -84,6 +84,12 @@ class TreeBuilder:
         self._restarts.append(node_id)
         return node_id
 
+    def children(self, node_id: int) -> list[int]:
+        return [n.node_id for n in self._nodes if n.parent == node_id]
+
+    def is_restart(self, node_id: int) -> bool:
+        return node_id in self._restarts
+
     def set_observation(self, node_id: int, obs_tokens: Sequence[int]) -> None:
         n = self._nodes[node_id]
         self._nodes[node_id] = make_node(

@@ -69,16 +69,29 @@ class ToolScript(TextBackend):
 
 
 def external_sampler(
-    backend, env, protocol, harness, shape=(2, 1), token=None, store=None, tasks=(), **limits
+    backend,
+    env,
+    protocol,
+    harness,
+    shape=(2, 1),
+    token=None,
+    store=None,
+    tasks=(),
+    side_calls="train",
+    **limits,
 ) -> TreeSampler:
     """A TreeSampler whose trees come from `harness` through a fresh loopback endpoint (`store` and `tasks`
-    for `sample_and_commit`; `timeout_s`, `reward_timeout_s`, `max_failures`: the harness's limits)."""
+    for `sample_and_commit`; `timeout_s`, `reward_timeout_s`, `max_failures`: the harness's limits;
+    `tool_change`, `agent_wait_s`: env.tool_change, env.agent_wait_s)."""
     harness_limits = HarnessLimits(
         limits.pop("timeout_s", 30.0), limits.pop("reward_timeout_s", 2.0), limits.pop("max_failures", 32)
     )
+    tool_change, agent_wait_s = limits.pop("tool_change", "refuse"), limits.pop("agent_wait_s", 10.0)
     loop_limits = LoopLimits(**{"max_turns": 4, "max_turn_tokens": 64, "token_budget": 1200, **limits})
+    endpoint = AgentEndpoint(token=token, agent_wait_s=agent_wait_s)
+    bounds = SamplingBounds(1.0, 1.0)
     ext = ExternalTrees(
-        harness, AgentEndpoint(token=token), Templates(protocol), SamplingBounds(1.0, 1.0), harness_limits
+        harness, endpoint, Templates(protocol), bounds, harness_limits, None, side_calls, tool_change
     )
     M, N = shape
     return TreeSampler(

@@ -23,17 +23,17 @@ def kb():
     return kb_setup()
 
 
-def client(base_url, session):
-    return openai.OpenAI(base_url=base_url, api_key="none", default_headers={"X-Session-Id": session})
+def client(base_url, task):
+    return openai.OpenAI(base_url=base_url, api_key=task["api_key"])
 
 
 def ask(task, base_url, session, **kw):
     msgs = [{"role": "user", "content": task["question"]}]
-    return client(base_url, session).chat.completions.create(model="m", messages=msgs, **kw)
+    return client(base_url, task).chat.completions.create(model="m", messages=msgs, **kw)
 
 
-def post_reward(base_url, session, value):
-    headers = {"X-Session-Id": session}
+def post_reward(base_url, task, value):
+    headers = {"Authorization": f"Bearer {task['api_key']}"}
     return httpx.post(f"{base_url}/reward", json={"reward": value}, headers=headers, timeout=30)
 
 
@@ -115,10 +115,10 @@ def test_a_reward_given_twice_is_refused_and_counted(kb):
     def harness(task, base_url, session):
         ask(task, base_url, session)
         if session.endswith("/m0"):  # posted and returned: which one is the reward?
-            status["m0"] = post_reward(base_url, session, 0.5).status_code
+            status["m0"] = post_reward(base_url, task, 0.5).status_code
             return 1.0
-        status["m1"] = post_reward(base_url, session, 0.25).status_code
-        second = post_reward(base_url, session, 0.75)
+        status["m1"] = post_reward(base_url, task, 0.25).status_code
+        second = post_reward(base_url, task, 0.75)
         status["m1 again"], status["why"] = second.status_code, second.json()["error"]["message"]
         return None
 
@@ -135,7 +135,7 @@ def test_an_episode_ended_by_a_limit_is_stored_with_reward_0_and_counted(kb):
     got = {}
 
     def harness(task, base_url, session):
-        c = client(base_url, session)
+        c = client(base_url, task)
         msgs = [{"role": "user", "content": task["question"]}]
         r = c.chat.completions.create(model="m", messages=msgs)
         call = r.choices[0].message.tool_calls[0]
