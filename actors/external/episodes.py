@@ -61,9 +61,7 @@ class TreePlan:
     finish: dict[int, str] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
     stored: list[Session] = field(default_factory=list)  # the sessions whose episodes the tree holds
-    anchors: dict[str, list[int]] = field(
-        default_factory=dict
-    )  # stored branches: [anchor call, conversation]
+    anchors: dict[str, dict[str, int]] = field(default_factory=dict)  # per stored branch: its anchor
 
 
 async def run_episode(

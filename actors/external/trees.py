@@ -256,10 +256,12 @@ def _commit(p: TreePlan, s: Session, calls: list[int], parent: int, rnd: Round) 
     p.builder.set_reward(leaf, s.reward)
     p.finish[leaf] = s.finish or "done"
     p.stored.append(s)
-    if s.replay is not None:  # a branch: its anchor, the first call it sampled, and that call's conversation
-        p.anchors[s.key] = [s.start, s.calls[s.start].conv]
     count(rnd.stats, "external/episodes_stored")
     chain = main_chain(s)
+    if s.replay is not None:  # a branch: its anchor (the first call it sampled), and where that call was
+        conv = s.calls[s.start].conv
+        context = chain.index(conv) if conv in chain else -1  # 0: before any compaction; -1: a fed call
+        p.anchors[s.key] = {"call": s.start, "conversation": conv, "context": context}
     count(rnd.stats, "external/compactions", sum(s.convs[c].first_call >= s.start for c in chain[1:]))
     count(
         rnd.stats,
@@ -273,5 +275,5 @@ def _finish(p: TreePlan) -> RolloutTree | None:
         return None
     p.builder.meta["finish"] = json.dumps({str(k): v for k, v in sorted(p.finish.items())})
     p.builder.meta["calls"] = calls_meta(p.stored)  # every call of its episodes: [conversation, parent call]
-    p.builder.meta["anchors"] = json.dumps(p.anchors)  # per branch: [its anchor's call, its conversation]
+    p.builder.meta["anchors"] = json.dumps(p.anchors)  # per branch: its anchor's call, conversation, context
     return p.builder.build()

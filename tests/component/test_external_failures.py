@@ -6,6 +6,7 @@ twice, is refused and counted; an episode ended by a limit is stored with reward
 import contextlib
 import logging
 import pickle
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -13,6 +14,7 @@ import numpy as np
 import openai
 import pytest
 
+from actors.external.remote import queued
 from actors.failures import SamplerConfigFailure, from_ray_error
 from storage.replay_store import ReplayStore
 from tests.external_fixtures import ToolScript, external_sampler, kb_setup
@@ -202,3 +204,15 @@ def test_sample_and_commit_hands_the_counters_to_the_driver(kb, tmp_path):
     assert out["trees"] == 1 and m["sampler/trees"] == 1
     assert (m["external/requests"], m["external/bad_requests"], m["external/rejected_requests"]) == (2, 1, 1)
     assert (m["external/episodes"], m["external/episodes_stored"], m["external/failures_in_row"]) == (1, 1, 0)
+
+
+def test_episodes_no_agent_takes_are_dropped_at_once_and_counted_apart(kb):
+    """The queued harness of an agent in its own process, with no agent running: each episode is dropped
+    once no request reached the endpoint for env.agent_wait_s (0.5 s here, not env.harness_timeout_s), as
+    `external/no_agent`, without counting toward the failure streak that stops a run."""
+    t0 = time.perf_counter()
+    trees, sampler = grow(kb, queued, shape=(2, 0), agent_wait_s=0.5, max_failures=1)
+    assert trees == [] and time.perf_counter() - t0 < 10
+    metrics = sampler.get_metrics()
+    assert (metrics["external/no_agent"], metrics["external/episodes_dropped"]) == (2, 2)
+    assert metrics["external/failures_in_row"] == 0 and "external/harness_errors" not in metrics

@@ -53,11 +53,11 @@ def test_compaction_and_a_feeding_sub_agent_branch_without_refusals(kb, tmp_path
     trunk = calls["c0/m0"]
     assert trunk[:4] == [[0, None], [1, None], [0, 0], [2, None]] and [3, None] in trunk
     # the compaction (conversation 3) continues the episode: anchors on its turns are branched
-    anchors = json.loads(main.meta["anchors"])
-    after = sum(conv == 3 for _, conv in anchors.values())
+    anchors = json.loads(main.meta["anchors"])  # context 1: the conversation after the first compaction
+    after = sum(a["context"] == 1 for a in anchors.values())
     assert len(anchors) == 8 and after >= 2, anchors
     # the calls a branch made before its anchor were answered from the record: only the rest was sampled
-    replayed = sum(call for call, _ in anchors.values())
+    replayed = sum(a["call"] for a in anchors.values())
     assert backend.sampled == sum(len(c) for c in calls.values()) - replayed
     # every stored turn re-scores to its stored log-probs after the ids it was sampled after
     assert main.restarts and worst_rescore_gap(trees, backend.score) <= 1e-5

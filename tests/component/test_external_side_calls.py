@@ -179,9 +179,11 @@ def test_the_example_agent_in_its_own_process_compacts_and_branches_after_it(kb,
             for k, c in calls.items()
             if "/m" in k
         )
-        anchors = json.loads(m.meta["anchors"])  # per branch: [anchor call, its conversation]
-        assert len(anchors) == 2 and all(call in (1, 3, 4, 5) for call, _ in anchors.values())
-        after += sum(conv == 2 for _, conv in anchors.values())
+        anchors = json.loads(m.meta["anchors"])  # per branch: its anchor's call, conversation, context
+        assert len(anchors) == 2 and all(a["call"] in (1, 3, 4, 5) for a in anchors.values())
+        where = {a["call"]: (a["conversation"], a["context"]) for a in anchors.values()}
+        assert all(w == ((0, 0) if call == 1 else (2, 1)) for call, w in where.items())
+        after += sum(a["context"] == 1 for a in anchors.values())
         for leaf in (int(x) for x in m.leaves):  # every episode's compacted turns sit under a restart
             runs = m.context_runs(leaf)
             assert len(runs) == 2 and len(runs[1]) == 4  # [restart, search, search, answer]

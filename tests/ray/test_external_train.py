@@ -9,6 +9,7 @@ carries their side trees; an agent in its own process serves 2 samplers from the
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -17,11 +18,14 @@ import sys
 import pytest
 
 from actors.external.discovery import ENDPOINTS_FILE, read_endpoints
+from actors.external.side import signal
+from actors.policy.hf_backend import HFBackend
 from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink, read_scalars
 from storage.replay_store import ReplayStore
 from storage.store_verify import verify_store
-from tests.cli_runs import ROOT, run_small
+from tests.cli_runs import ROOT, SMALL_RUN, run_small
+from tests.external_fixtures import ending_model_dir, worst_rescore_gap
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -199,3 +203,42 @@ def test_an_agent_in_its_own_process_serves_two_samplers_from_the_discovery_file
     # every episode was the agent's (the queued harness waits for it): trees of both samplers' endpoints
     assert {t.tree_id.split("-")[0] for t in mains} == {"s0", "s1"}
     assert verify_store(tmp_path / "store").ok
+
+
+@pytest.fixture(scope="module")
+def ending_model(tmp_path_factory):
+    return ending_model_dir(tmp_path_factory.mktemp("ending-model"))
+
+
+def test_a_compacting_agent_with_a_sub_agent_trains_on_4_2_trees(tmp_path, ending_model):
+    """tests/external_fixtures.py:long_context_harness (a sub-agent whose reply feeds the main conversation,
+    a summary, a compaction, a judge and a title) on a tiny model whose turns end, (M, N) = (4, 2), 3 steps:
+    no branch refused; anchors after the compaction; the turns the first weights sampled re-score to their
+    stored log-probs; each step trains B = 2 episode trees and only the side trees that carry signal."""
+    run_dir = tmp_path / "long"
+    harness = ("env.harness=tests.external_fixtures:long_context_harness", *HARNESS[1:])
+    args = ("train", "--steps", "3", "--run-dir", str(run_dir), "--no-progress", *harness)
+    cmd = [sys.executable, "-m", "launch.cli", *args, f"model.path={ending_model}", *SMALL_RUN]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [*cmd, "algo.M=4", "algo.N=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ext = summary["external"]
+    assert summary["steps"] == 3 and ext["branches"] > 0 and ext.get("branches_refused", 0) == 0, ext
+    assert ext["compactions"] > 0 and ext["side_trees_skipped"] > 0  # the titles: one leaf each
+    with ReplayStore(run_dir / "store", create=False, readonly=True) as store:
+        trees = {t.tree_id: t for t in store.get_trees(store.tree_ids())}
+        batches = [store.batch_tree_ids(k) for k in range(3)]
+    mains = [t for t in trees.values() if t.meta["source"] == "external"]
+    anchors = [a for t in mains for a in json.loads(t.meta["anchors"]).values()]
+    assert sum(a["context"] >= 1 for a in anchors) >= 3  # branched after a compaction, counted
+    assert all(t.restarts for t in mains) and all(len(t.children[0]) == 4 for t in mains)
+    backend = HFBackend(ending_model)  # the weights of version 0
+    assert worst_rescore_gap(mains, backend.score, version=0) <= 3e-5
+    scalars = read_scalars(run_dir / "tb")
+    for ids, (_, trained) in zip(batches, scalars["learner/trees"], strict=True):
+        sides = [trees[i] for i in ids if trees[i].meta["source"] == "external-side"]
+        assert len(ids) - len(sides) == 2 and all(signal(t) for t in sides)  # B episode trees + signal
+        assert trained == len(ids)
