@@ -84,7 +84,7 @@ _FIELD = re.compile(r"[\[.]")  # where a parameter's path goes below its field: 
 
 def refusal_reason(status: int, payload: dict[str, Any]) -> str:
     """`<status>_<reason>`: the error's type, or for a bad field `bad_<field>` (`400_bad_temperature`)."""
-    err = payload.get("error") if isinstance(payload.get("error"), dict) else {}
+    err: dict[str, Any] = payload["error"] if isinstance(payload.get("error"), dict) else {}
     kind, param = str(err.get("type") or "error"), err.get("param")
     if kind == "invalid_request_error":
         kind = f"bad_{_FIELD.split(param)[0]}" if isinstance(param, str) and param else "invalid_request"

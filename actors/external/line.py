@@ -25,9 +25,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from actors.external.session import Conversation, Session, Turn
 from system.tree_build import TreeBuilder
 
-Session = Conversation = Any  # session.py's (it imports turns.py, which needs nothing of this module)
 _THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 SHORT = 16  # a reply shorter than this feeds a request only as whole words of it
 
@@ -52,7 +52,7 @@ def _system(conv: Conversation) -> Any:
     return conv.messages[0] if conv.messages and conv.messages[0]["role"] == "system" else None
 
 
-def reply_text(turn: Any) -> str:
+def reply_text(turn: Turn) -> str:
     """What a turn's reply can hand on: its text without reasoning and without a tool call."""
     content = turn.message.get("content") or ""
     return _THINK.sub("", content).split("<tool_call>", 1)[0].strip()
@@ -99,7 +99,7 @@ def side_conversations(s: Session) -> list[Conversation]:
     return [c for c in s.convs if c.calls and not line & set(c.calls) and c.first_call >= s.start]
 
 
-def _turn(s: Session, call: int) -> Any:
+def _turn(s: Session, call: int) -> Turn:
     conv = s.convs[s.calls[call].conv]
     return conv.turns[conv.calls.index(call)]
 

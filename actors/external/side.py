@@ -29,11 +29,9 @@ import json
 from typing import Any
 
 from actors.external.openai_format import ApiError, ChatRequest, first_difference
+from actors.external.session import Conversation, Session
 from system.tree import RolloutTree
 from system.tree_build import TreeBuilder
-
-# session.py's Session and Conversation: it is imported by turns.py, which imports this module
-Session = Conversation = Any
 
 
 def route(s: Session, req: ChatRequest) -> tuple[str, Conversation | None]:

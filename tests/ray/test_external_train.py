@@ -4,7 +4,10 @@ endpoint's counters reach tensorboard and its requests stay out of the sampler's
 that fails every episode stops the run with one line naming it (issue 47). An agent in a process of its own
 (examples/remote_agent.py) trains, its side calls stored as linked trees (issue 47). The run's `external/*`
 counters, summed over 2 samplers, reach the step line and summary.json exactly; a batch of B main trees
-carries their side trees; an agent in its own process serves 2 samplers from the run's discovery file."""
+carries their side trees; an agent in its own process serves 2 samplers from the run's discovery file. An
+agent with a long context (a sub-agent, a summary, a compaction) trains on (4, 2) trees branched after its
+compaction, no branch refused, its stored log-probs re-scored, only side trees with signal trained (issue
+57)."""
 
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ def test_an_agent_in_its_own_process_trains_and_its_side_calls_are_stored_linked
     url = f"http://127.0.0.1:{port}/v1"
     agent = subprocess.Popen([sys.executable, "examples/remote_agent.py", "--url", url], cwd=ROOT)
     queued = ("env.harness=actors.external.remote:queued", f"env.agent_port={port}", *HARNESS[1:])
+    queued = (*queued, "env.side_calls=all")  # the summaries of random text are one-leaf side trees
     try:
         args = ("--run-dir", str(run_dir), "--no-progress", *queued)
         done = run_small("train", "--steps", "3", *args, model_dir=tiny_model_dir, timeout_s=900)
@@ -100,7 +104,7 @@ def test_an_agent_in_its_own_process_trains_and_its_side_calls_are_stored_linked
     assert sides and all(t.meta["episode_tree"] in mains and t.num_leaves <= 4 for t in sides)
     for t in sides:
         sessions = json.loads(mains[t.meta["episode_tree"]].meta["calls"])
-        assert all(x["session"] in sessions and x["segment"] >= 1 for x in json.loads(t.meta["links"]))
+        assert all(x["session"] in sessions and x["conversation"] >= 1 for x in json.loads(t.meta["links"]))
 
 
 def external_cfg(run_dir, **extra):
@@ -119,7 +123,8 @@ def test_the_external_counters_over_two_samplers_reach_the_step_line_and_summary
     dropped T (harness_errors T), side_calls T, side_trees T, requests 2T (m0's two chat calls),
     rejected_requests T, reward_posts 2T, double_rewards T, no_reward 0, and limit_ended = the stored
     episodes whose main turn was cut (finish "truncated")."""
-    cfg = external_cfg(tmp_path, **{"env.harness": "tests.external_fixtures:counted_harness"})
+    counted = {"env.harness": "tests.external_fixtures:counted_harness", "env.side_calls": "all"}
+    cfg = external_cfg(tmp_path, **counted)  # all: m0's judge is a side tree of one leaf
     topo = start_topology(cfg, tiny_model_dir)
     try:
         driver = Driver(cfg, topo, MemorySink())
