@@ -17,7 +17,8 @@ a new conversation with the same system message and tools, which the run records
 continuation (its turns are branched like any), the summary a turn of the episode when its text is used.
 Tools run in the run (`POST /v1/tools/call`); the reward, exact match against the task's answers (the
 agent scores itself: the run's `answer` tool returns nothing), is posted (`POST /v1/reward`).
-Deterministic given the model's replies, as branching by replay needs. Stops after `--idle-exit-s` seconds without a task (or with the run's endpoints gone).
+Deterministic given the model's replies, as branching by replay needs. Stops after `--idle-exit-s` seconds
+without a task (or with the run's endpoints gone).
 """
 
 from __future__ import annotations
