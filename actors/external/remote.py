@@ -57,6 +57,14 @@ class TaskQueue:
     def seen(self) -> None:
         self.last_seen = time.monotonic()
 
+    def unserved(self) -> bool:
+        """No agent is around: no request for `agent_wait_s`, and no episode taken and still running (a
+        busy agent waiting on a slow tool sends nothing for a while)."""
+        if time.monotonic() - self.last_seen <= self.agent_wait_s:
+            return False
+        with self._mu:
+            return not any(e.taken and not e.done.is_set() for e in self._entries.values())
+
     def offer(self, session: str, task: dict[str, Any]) -> _Entry:
         view = {k: task[k] for k in _SHOWN if k in task}
         view.update(session=session, base_url=self.base_url, session_url=task.get("session_url"))
@@ -110,7 +118,7 @@ def queued(task: dict[str, Any], base_url: str, session: str) -> None:
     deadline = time.monotonic() + q.wait_s
     try:
         while not entry.done.wait(min(1.0, q.agent_wait_s / 4)):
-            if not entry.taken and time.monotonic() - q.last_seen > q.agent_wait_s:
+            if not entry.taken and q.unserved():
                 raise NoAgent(
                     f"no agent took the episode: no request reached {q.base_url} for {q.agent_wait_s:g} s "
                     "(env.agent_wait_s): does an agent serve this sampler's endpoint?"
