@@ -12,6 +12,11 @@ child fits is owned by its first split child's piece instead (which forwards it 
 for the budget with its context makes a piece over budget (with the chain of ancestors merged into it). The
 prefix a piece recomputes is `context` tokens (`recomputed_tokens`). Pieces are then packed into
 micro-batches first-fit-decreasing by their tokens.
+
+A restart (system/tree.py: a compaction's new context) always starts pieces of its own, with no ancestor as
+context, since its turns see none. A root-to-leaf path that crosses one is then trained in parts, one per
+context (learner/packing.py); with a token budget they may land in different micro-batches, where GSPO's
+sequence-level ratio is taken per part.
 """
 
 from __future__ import annotations
