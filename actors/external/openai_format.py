@@ -88,7 +88,6 @@ def parse_chat_request(body: Any, bounds: SamplingBounds) -> ChatRequest:
     check_tool_answers(msgs)
     _check_sampling(body, bounds)
     tools = _tools(body.get("tools"))
-    shown = json.dumps([msgs, tools], sort_keys=True, ensure_ascii=False)
     return ChatRequest(
         messages=msgs,
         tools=tools,
@@ -96,9 +95,21 @@ def parse_chat_request(body: Any, bounds: SamplingBounds) -> ChatRequest:
         logprobs=_flag(body, "logprobs"),
         model=str(body.get("model") or ""),
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-        sig=hashlib.sha256(shown.encode(errors="surrogatepass")).hexdigest(),
+        sig=signature(msgs, tools),
         tools_chars=len(json.dumps(tools)) if tools else 0,
     )
+
+
+def signature(msgs: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """A digest of the messages and tools: equal for a re-send of the same request. The contents are hashed
+    as they are (sha256 releases the GIL on large buffers), not dumped as JSON: a huge prompt costs little."""
+    h = hashlib.sha256(json.dumps(tools, sort_keys=True).encode())
+    for m in msgs:
+        content = m["content"].encode(errors="surrogatepass")
+        head = {k: v for k, v in m.items() if k != "content"}
+        h.update(f"\0{json.dumps(head, sort_keys=True)}\0{len(content)}\0".encode())
+        h.update(content)
+    return h.hexdigest()
 
 
 def _check_sampling(body: dict[str, Any], bounds: SamplingBounds) -> None:
