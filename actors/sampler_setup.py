@@ -173,11 +173,15 @@ def external_trees(cfg: Config, protocol: Any, index: int = 0) -> Any:
     e = cfg.env
     harness = load_harness(str(e.harness))
     port = sampler_port(e.agent_port, index)
-    endpoint = AgentEndpoint(e.agent_host, port, e.agent_token, wait_s=e.harness_timeout_s)
+    endpoint = AgentEndpoint(
+        e.agent_host, port, e.agent_token, wait_s=e.harness_timeout_s, agent_wait_s=e.agent_wait_s
+    )
     bounds = SamplingBounds(cfg.sampler.temperature, cfg.sampler.top_p)
     limits = HarnessLimits(e.harness_timeout_s, e.reward_timeout_s, e.harness_max_failures)
     templates = Templates(protocol)
-    ext = ExternalTrees(harness, endpoint, templates, bounds, limits, str(e.harness), e.side_calls)
+    ext = ExternalTrees(
+        harness, endpoint, templates, bounds, limits, str(e.harness), e.side_calls, e.tool_change, index
+    )
     ext.discovery = Discovery(cfg.run.run_dir, index)  # withdrawn when the sampler closes
     ext.discovery.publish(reachable_url(endpoint.url, e.agent_host))
     return ext

@@ -142,7 +142,11 @@ class EnvConfig(GymEnvKeys):  # env.factory, env.python, … of env.name = gym: 
     # 0: a free port per sampler; a fixed port P: sampler i binds P + i (RUN_DIR/agent_endpoints.json)
     agent_port: Annotated[StrictInt, Field(ge=0, le=65535), Allowed(PORT_ALLOWED)] = 0
     agent_token: NonEmptyStr | None = None  # unset: $TREEOPSD_AGENT_TOKEN, if any
-    side_calls: Literal["train", "exclude"] = "train"  # a harness's side calls: linked trees, or unstored
+    # side calls (outside the episodes' lines): linked trees with signal, all of them, or counted only
+    side_calls: Literal["train", "all", "exclude"] = "train"
+    # a request changing a conversation's tools: a 409 (refuse), or a new context of the episode (continue)
+    tool_change: Literal["refuse", "continue"] = "refuse"
+    agent_wait_s: PosFloat = 10.0  # remote:queued: an episode no agent takes while none calls this long
 
     @model_validator(mode="after")
     def _retriever_rules(self) -> Self:

@@ -10,11 +10,12 @@ state after turn a_k and its observation o_k, so a branch from k hangs under a_k
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from system.tree import ROOT, RolloutTree, TurnNode, make_node
+from system.tree import RESTARTS, ROOT, RolloutTree, TurnNode, make_node
 
 
 def choose_anchors(num_turns: int, n: int, rng: np.random.Generator) -> list[int]:
@@ -58,6 +59,7 @@ class TreeBuilder:
     ) -> None:
         self.tree_id, self.prompt_id, self.meta = tree_id, prompt_id, dict(meta or {})
         self._nodes: list[TurnNode] = [make_node(ROOT, -1, 0, obs_tokens=prompt_tokens)]
+        self._restarts: list[int] = []
 
     def add_turn(
         self,
@@ -74,6 +76,19 @@ class TreeBuilder:
             make_node(node_id, parent, depth, tokens, loss_mask, logprobs, obs_tokens, policy_version)
         )
         return node_id
+
+    def add_restart(self, parent: int, context: Sequence[int], policy_version: int = 0) -> int:
+        """A restart under `parent` (system/tree.py): the turns added under it see `context` (e.g. a compacted
+        conversation's prompt ids) and not the path above it."""
+        node_id = self.add_turn(parent, [], [], obs_tokens=context, policy_version=policy_version)
+        self._restarts.append(node_id)
+        return node_id
+
+    def children(self, node_id: int) -> list[int]:
+        return [n.node_id for n in self._nodes if n.parent == node_id]
+
+    def is_restart(self, node_id: int) -> bool:
+        return node_id in self._restarts
 
     def set_observation(self, node_id: int, obs_tokens: Sequence[int]) -> None:
         n = self._nodes[node_id]
@@ -133,10 +148,13 @@ class TreeBuilder:
         return self._nodes[node_id]
 
     def context_tokens(self, node_id: int) -> list[int]:
-        """Prompt + every turn and observation on the path to `node_id` (inclusive): a branch's prefix."""
+        """Prompt + every turn and observation on the path to `node_id` (inclusive): a branch's prefix. From
+        the nearest restart on that path, if any (its context, then what follows)."""
         path = []
         while node_id != -1:
             path.append(self._nodes[node_id])
+            if node_id in self._restarts:
+                break
             node_id = self._nodes[node_id].parent
         out: list[int] = []
         for n in reversed(path):
@@ -145,4 +163,6 @@ class TreeBuilder:
         return out
 
     def build(self) -> RolloutTree:
+        if self._restarts:
+            self.meta[RESTARTS] = json.dumps(sorted(self._restarts))
         return RolloutTree.build(self.tree_id, self._nodes, self.prompt_id, self.meta)

@@ -122,6 +122,7 @@ def stops_for(tokenizer: Any, closers: Sequence[str]) -> tuple[tuple[int, ...], 
 
 
 ENCODE_CACHE = 4096  # distinct texts kept encoded per protocol (observations are a few hundred bytes)
+CACHED_TEXT = 16 << 10  # longer texts are encoded without the cache
 
 
 class AgentProtocol:
@@ -209,6 +210,8 @@ class AgentProtocol:
         return self.encode(lead + after[len(eot) :])
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > CACHED_TEXT:  # a whole prompt (the agent endpoint's): never seen again, not kept
+            return list(self._encode_uncached(text))
         return list(self._encode_cached(text))
 
     def clear_cache(self) -> None:

@@ -167,7 +167,7 @@ def test_a_pool_of_one_replays_more_and_grows_the_same_trees(tmp_path, turn_taki
         "env.factory_args={id: gsm8k_multi_turn}",
         f"env.data={ENVS}/gsm8k_mini.jsonl",
     ]
-    from actors.sampler_setup import build_sampler
+    from runtime.builder import make_sampler as build_sampler
 
     grown = {}
     for size in (1, 64):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gym_fixtures import ENVS, HERE, ecosystems_python, turn_taking_model, worker_path
 
-from actors.sampler_setup import build_sampler
+from runtime.builder import make_sampler as build_sampler
 from configs.schema import load_config
 from launch.cli import main
 

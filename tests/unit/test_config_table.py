@@ -95,7 +95,7 @@ BAD = [
     ("env.train_hops=2", r"^env\.train_hops = 2 is invalid: expected a list of 2 integers"),
     ("env.name=wiki", r"^env\.name = 'wiki' is invalid: allowed values are 'synthetic_kb'"),
     ("env.protocol=hermes", r"^env\.protocol = 'hermes' is invalid: allowed values are 'plain', 'qwen3'"),
-    ("env.side_calls=drop", r"^env\.side_calls = 'drop' is invalid: allowed values are 'train', 'exclude'"),
+    ("env.side_calls=drop", r"^env\.side_calls = 'drop' is invalid: allowed values are 'train', 'all'"),
     ("env.enable_thinking=1", r"^env\.enable_thinking = 1 is invalid: expected true or false"),
     ("env.require_search=maybe", r"^env\.require_search = 'maybe' is invalid: expected true or false"),
     # sampler

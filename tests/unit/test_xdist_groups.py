@@ -4,15 +4,27 @@ with its module; read from a real collection of those modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import xdist_group
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _suite_conftest():
+    """tests/conftest.py by its path: the name `conftest` is also tests/ray's, whichever pytest loaded last."""
+    spec = importlib.util.spec_from_file_location("suite_conftest", ROOT / "tests" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+xdist_group = _suite_conftest().xdist_group
 
 FILES = [
     "tests/ray/test_supervision.py",  # the session's Ray instance (ray_cluster)
@@ -55,14 +67,15 @@ def test_the_group_rule():
 
 
 def test_xdist_runs_each_group_on_one_worker():
-    """Two workers, two modules of two tests each: each module's tests on one worker (with pytest 9.2 and
+    """Two workers, two modules of several tests each: each module's tests on one worker (with pytest 9.2 and
     xdist 3.8 they would be dealt out one by one, pytest-dev/pytest-xdist#1386, without conftest's fix)."""
     modules = ["tests/unit/test_step_line.py", "tests/unit/test_external_tally.py"]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v"]
     done = subprocess.run([*cmd, *modules], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:]
     ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+?)::(\S+)@(\S+)", done.stdout)
-    assert len(ran) == 4, done.stdout[-2000:]
+    passed = int(re.findall(r"(\d+) passed", done.stdout)[-1])
+    assert len(ran) == passed >= 4, done.stdout[-2000:]  # every test ran, each named with its group
     for module in modules:
         workers = {w for w, path, _, group in ran if path == module and group == module}
         assert len(workers) == 1, (module, ran)
