@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gym_fixtures import ENVS, HERE, ecosystems_python, turn_taking_model, worker_path
 
-from runtime.builder import make_sampler as build_sampler
 from configs.schema import load_config
 from launch.cli import main
+from runtime.builder import make_sampler as build_sampler
 
 SHAPE = ["algo.M=4", "algo.N=2", "env.max_turns=3", "env.max_turn_tokens=32", "sampler.num_samplers=1"]
 TASKS = f"env.data={ENVS}/bad_tasks.jsonl"

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _suite_conftest():
-    """tests/conftest.py by its path: the name `conftest` is also tests/ray's, whichever pytest loaded last."""
+    """tests/conftest.py by its path: the name `conftest` is also tests/ray's, the one pytest loaded last."""
     spec = importlib.util.spec_from_file_location("suite_conftest", ROOT / "tests" / "conftest.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
