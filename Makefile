@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 # share the vLLM engine on one, every other module wherever a worker is free (tests/conftest.py:xdist_group).
 TEST_WORKERS ?= 3
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # Debian's Chromium for the browser test of `treeopsd view`, where it is missing (~45 s; root and apt-get)
 browser:

@@ -59,7 +59,7 @@ class TreeBuilder:
     ) -> None:
         self.tree_id, self.prompt_id, self.meta = tree_id, prompt_id, dict(meta or {})
         self._nodes: list[TurnNode] = [make_node(ROOT, -1, 0, obs_tokens=prompt_tokens)]
-        self._restarts: list[int] = []
+        self._restart_nodes: list[int] = []
 
     def add_turn(
         self,
@@ -81,14 +81,14 @@ class TreeBuilder:
         """A restart under `parent` (system/tree.py): the turns added under it see `context` (e.g. a compacted
         conversation's prompt ids) and not the path above it."""
         node_id = self.add_turn(parent, [], [], obs_tokens=context, policy_version=policy_version)
-        self._restarts.append(node_id)
+        self._restart_nodes.append(node_id)
         return node_id
 
     def children(self, node_id: int) -> list[int]:
         return [n.node_id for n in self._nodes if n.parent == node_id]
 
     def is_restart(self, node_id: int) -> bool:
-        return node_id in self._restarts
+        return node_id in self._restart_nodes
 
     def set_observation(self, node_id: int, obs_tokens: Sequence[int]) -> None:
         n = self._nodes[node_id]
@@ -153,7 +153,7 @@ class TreeBuilder:
         path = []
         while node_id != -1:
             path.append(self._nodes[node_id])
-            if node_id in self._restarts:
+            if node_id in self._restart_nodes:
                 break
             node_id = self._nodes[node_id].parent
         out: list[int] = []
@@ -163,6 +163,6 @@ class TreeBuilder:
         return out
 
     def build(self) -> RolloutTree:
-        if self._restarts:
-            self.meta[RESTARTS] = json.dumps(sorted(self._restarts))
+        if self._restart_nodes:
+            self.meta[RESTARTS] = json.dumps(sorted(self._restart_nodes))
         return RolloutTree.build(self.tree_id, self._nodes, self.prompt_id, self.meta)

@@ -45,23 +45,59 @@ SHARED = {
 }
 
 
+# The shared-instance tests took ~35 of a 76-minute suite on one worker; these modules share a second local
+# Ray instance on another worker (each worker is its own process, so its session fixture is its own).
+SECOND_RAY = {
+    "tests/ray/test_train_e2e.py",
+    "tests/ray/test_retrieval_train.py",
+    "tests/ray/test_sampler_failure.py",
+    "tests/ray/test_external_train.py",
+    "tests/ray/test_learner_group.py",
+    "tests/ray/test_learner_two_nodes.py",
+}
+# The groups that take longest (measured on 2 cores) start first, in this order, so that none of them is
+# left to run alone at the end (`make test` passes --no-loadscope-reorder: xdist keeps this order).
+LONGEST_FIRST = (
+    "ray",
+    "ray-b",
+    "ray-real-model",
+    "tests/ray/test_external_train.py",
+    "tests/ray/test_supervision_signals.py",
+    "tests/ray/test_drill_cli.py",
+    "tests/component/test_warmstart.py",
+    "tests/ray/test_supervision_soak.py",
+    "tests/ray/test_node_drill.py",
+    "vllm",
+)
+
+
 def xdist_group(nodeid: str, fixturenames, explicit: str | None = None) -> str:
-    """The xdist group of a test: its own mark's, a SHARED resource's, else its module's."""
+    """The xdist group of a test: its own mark's, a SHARED resource's (the Ray one split in two by module),
+    else its module's."""
     if explicit is not None:
         return explicit
-    return next((g for g, names in SHARED.items() if set(names) & set(fixturenames)), nodeid.split("::")[0])
+    module = nodeid.split("::")[0]
+    group = next((g for g, names in SHARED.items() if set(names) & set(fixturenames)), module)
+    return "ray-b" if group == "ray" and module in SECOND_RAY else group
+
+
+def start_order(group: str) -> int:
+    """Where a group's tests go in the collection: the LONGEST_FIRST groups first, the rest as collected."""
+    return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
     on_worker = bool(os.environ.get("PYTEST_XDIST_WORKER")) and config.getoption("loadgroup", False)
+    groups = {}
     for item in items:
         mark = item.get_closest_marker("xdist_group")
-        group = xdist_group(item.nodeid, item.fixturenames, mark.args[0] if mark else None)
+        group = groups[item] = xdist_group(item.nodeid, item.fixturenames, mark.args[0] if mark else None)
         if mark is None:
             item.add_marker(pytest.mark.xdist_group(group))
         if on_worker and "@" not in item.nodeid:
             _name_group(item, group)
+    items.sort(key=lambda item: start_order(groups[item]))  # stable: the rest keep their order
     try:
         import torch
 

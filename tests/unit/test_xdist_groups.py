@@ -24,7 +24,8 @@ def _suite_conftest():
     return module
 
 
-xdist_group = _suite_conftest().xdist_group
+_conftest = _suite_conftest()
+xdist_group, start_order = _conftest.xdist_group, _conftest.start_order
 
 FILES = [
     "tests/ray/test_supervision.py",  # the session's Ray instance (ray_cluster)
@@ -64,6 +65,12 @@ def test_the_group_rule():
     assert xdist_group("tests/c/b.py::t", ["vllm_lora_backend"]) == "vllm"
     assert xdist_group("tests/c/b.py::t[1]", ["tmp_path"]) == "tests/c/b.py"
     assert xdist_group("tests/ray/a.py::t", ["ray_cluster"], explicit="mine") == "mine"
+    # the second Ray instance's modules
+    assert xdist_group("tests/ray/test_train_e2e.py::t", ["ray_cluster"]) == "ray-b"
+    assert xdist_group("tests/ray/test_train_e2e.py::t", ["tmp_path"]) == "tests/ray/test_train_e2e.py"
+    # the longest groups first, in LONGEST_FIRST's order; every other group after them, as collected
+    assert start_order("ray") == 0 < start_order("ray-b") < start_order("vllm") < start_order("tests/u/a.py")
+    assert start_order("tests/u/a.py") == start_order("tests/u/b.py")
 
 
 def test_xdist_runs_each_group_on_one_worker():
