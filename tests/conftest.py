@@ -55,20 +55,11 @@ SECOND_RAY = {
     "tests/ray/test_learner_group.py",
     "tests/ray/test_learner_two_nodes.py",
 }
-# The groups that take longest (measured on 2 cores) start first, in this order, so that none of them is
-# left to run alone at the end (`make test` passes --no-loadscope-reorder: xdist keeps this order).
-LONGEST_FIRST = (
-    "ray",
-    "ray-b",
-    "ray-real-model",
-    "tests/ray/test_external_train.py",
-    "tests/ray/test_supervision_signals.py",
-    "tests/ray/test_drill_cli.py",
-    "tests/component/test_warmstart.py",
-    "tests/ray/test_supervision_soak.py",
-    "tests/ray/test_node_drill.py",
-    "vllm",
-)
+# The groups with a Ray instance of their own start first, in this order, so that none of them is left to
+# run alone at the end (`make test` passes --no-loadscope-reorder: xdist keeps this order). The modules that
+# start Ray in a subprocess follow in collection order, among light tests: started all at once beside these
+# three, one of them saw Ray's 30 s node start-up limit pass on 2 cores.
+LONGEST_FIRST = ("ray", "ray-b", "ray-real-model")
 
 
 def xdist_group(nodeid: str, fixturenames, explicit: str | None = None) -> str:

@@ -68,9 +68,9 @@ def test_the_group_rule():
     # the second Ray instance's modules
     assert xdist_group("tests/ray/test_train_e2e.py::t", ["ray_cluster"]) == "ray-b"
     assert xdist_group("tests/ray/test_train_e2e.py::t", ["tmp_path"]) == "tests/ray/test_train_e2e.py"
-    # the longest groups first, in LONGEST_FIRST's order; every other group after them, as collected
-    assert start_order("ray") == 0 < start_order("ray-b") < start_order("vllm") < start_order("tests/u/a.py")
-    assert start_order("tests/u/a.py") == start_order("tests/u/b.py")
+    # the Ray-instance groups first, in LONGEST_FIRST's order; every other group after them, as collected
+    assert start_order("ray") == 0 < start_order("ray-b") < start_order("ray-real-model") < start_order("x")
+    assert start_order("x") == start_order("vllm") == start_order("tests/u/a.py")
 
 
 def test_xdist_runs_each_group_on_one_worker():
