@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml launch/setup_venv.sh
 # Every test on 3 pytest-xdist workers: the tests that share one local Ray instance run on one worker, those that
 # share the vLLM engine on one, every other module wherever a worker is free (tests/conftest.py:xdist_group).
 TEST_WORKERS ?= 3
-test: $(STAMP) browser
+# The venv and the browser install side by side (pip's unpacking and apt-get's download overlap: ~45 s of CI).
+test:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # Debian's Chromium for the browser test of `treeopsd view`, where it is missing (~45 s; root and apt-get)

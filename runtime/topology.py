@@ -19,6 +19,11 @@ LOOPBACK_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "VLLM_HOST_IP": "127.0.0.1",
 }
+# Ray starts its workers at nice 15 (its `worker_niceness`), below any other process on the machine: the roles
+# are the workload, and at nice 15 the learner and samplers starved beside two busy nice-0 processes (a
+# tokenizer, an agent harness, a test worker): a kill-and-resume run that takes 47 s alone took 627 s and
+# failed on Ray's own timeouts, 103 s with the roles at 0. Set RAY_worker_niceness to choose otherwise.
+WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
 
 
 def required_cpus(cfg: Config) -> float:
@@ -40,8 +45,8 @@ def init_ray(cfg: Config | None = None) -> None:
     if ray.is_initialized():
         return
     num_cpus = None if cfg is None else max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
-    for key, value in LOOPBACK_ENV.items():
-        os.environ.setdefault(key, value)
+    for key, value in {**LOOPBACK_ENV, **WORKER_NICENESS_ENV}.items():
+        os.environ.setdefault(key, value)  # read by the raylet this process starts
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV}}
     # roles log to their own files; the driver prints warnings and above only
     quiet: dict[str, Any] = {"runtime_env": env, "log_to_driver": False, "logging_level": logging.WARNING}

@@ -18,6 +18,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray workers at nice 0, as runtime/topology.py starts them: also for the test clusters started without it
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest
 from hypothesis import HealthCheck, settings

@@ -22,7 +22,14 @@ pytestmark = [
 def test_vllm_sampler_applies_weights_in_place(ray_cluster, tmp_path, tiny_model_dir):
     ray = ray_cluster
     # 4 admitted prompts x M = 4 trajectories: 16 episodes in flight at once (the async loop)
-    extra = {"sampler.backend": "vllm", "sampler.num_samplers": 1, "algo.M": 4}
+    # eager: the engine's torch.compile trace is ~15 CPU-s of the suite's clock, and the shared engine of
+    # tests/component/test_vllm_backend.py already loads weights in place under the compiled graph
+    extra = {
+        "sampler.backend": "vllm",
+        "sampler.num_samplers": 1,
+        "algo.M": 4,
+        "sampler.engine.enforce_eager": "true",
+    }
     extra["sampler.prompts_per_request"] = 4
     cfg = small_cfg(tmp_path, **extra)
     topo = start_topology(cfg, tiny_model_dir)
