@@ -161,8 +161,11 @@ def test_a_non_deterministic_env_has_its_replays_counted_and_branches_dropped(
 
 def test_a_pool_of_one_replays_more_and_grows_the_same_trees(tmp_path, turn_taking_model_dir):
     # the same seeds with env.pool_size = 1 (every other trunk's instance evicted, rebuilt by replay) and 64:
-    # identical trees, more replays, no mismatch (the env is deterministic)
+    # identical trees, more replays, no mismatch (the env is deterministic). Lock step: one backend call per
+    # round of turns, so both runs batch the same rows (the async loop gathers whatever is pending, which
+    # under load differs between runs, and batched matmuls round differently: a loaded run's trees differed)
     base = [
+        "sampler.loop=lockstep",
         "env.factory=skyrl_gym:make",
         "env.factory_args={id: gsm8k_multi_turn}",
         f"env.data={ENVS}/gsm8k_mini.jsonl",
