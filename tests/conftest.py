@@ -20,9 +20,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray workers at nice 0, as runtime/topology.py starts them: also for the test clusters started without it
 os.environ.setdefault("RAY_worker_niceness", "0")
-# No idle workers started ahead of the actors: each of the suite's ~20 Ray instances (and restarts) otherwise
-# starts one per logical CPU, most never used; measured ~10 CPU-s of a ~100 CPU-s kill-and-resume test
-os.environ.setdefault("RAY_enable_worker_prestart", "0")
 
 import pytest
 from hypothesis import HealthCheck, settings

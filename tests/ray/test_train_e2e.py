@@ -113,7 +113,9 @@ def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path
 
 def test_learner_kill_then_resume_trains_every_batch_once(ray_cluster, tmp_path, tiny_model_dir):
     ray = ray_cluster
-    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0})  # no restart in the run: --resume does it
+    # no restart in the run: --resume does it; one sampler (the learner is what is killed: the CPU of a
+    # second sampler's two starts is the suite's clock)
+    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0, "sampler.num_samplers": 1})
     topo = start_topology(cfg, tiny_model_dir)
     sink = MemorySink()
     try:
