@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.lean_imports import hide_unused_optional_packages
+
 TRAINING_CURVES = ("reward/mean", "learner/loss", "learner/grad_norm", "learner/max_abs_s", "tree/leaves")
 TRAINING_CURVES += ("tree/sampled_tokens",)
 STALENESS_CURVES = (
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     `... run SPEC QUICK RUN_JSON MODEL_PATH RUN_DIR` writes RUN_DIR/result.json. JSON in, JSON out."""
     import sys
 
+    hide_unused_optional_packages()
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 5 and args[0] == "warm":
         print(json.dumps({"model": warm_start(args[1], args[2] == "1", int(args[3]), args[4])}))

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from runtime.lean_imports import hide_unused_optional_packages
+
 COMMANDS = {
     "train": "asynchronous (or --sync) training on Ray",
     "demo": "one-command demo on the embedded default (tiny model, offline task)",
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' own progress bars (loading and writing weights, a few ms each) follow the hub's
     # switch; the project's bars (steps, evaluation) stay. HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them too.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hide_unused_optional_packages()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may stand anywhere (`treeopsd eval a.b=1 --samples 4 c.d=2`): argparse only takes one run

@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from configs.schema import Config
+from runtime.lean_imports import WORKER_SETUP_HOOK
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,10 @@ def init_ray(cfg: Config | None = None) -> None:
     num_cpus = None if cfg is None else max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
     for key, value in {**LOOPBACK_ENV, **WORKER_NICENESS_ENV}.items():
         os.environ.setdefault(key, value)  # read by the raylet this process starts
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV}}
+    env = {
+        "env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV},
+        "worker_process_setup_hook": WORKER_SETUP_HOOK,  # imports each role's model loading needs, no more
+    }
     # roles log to their own files; the driver prints warnings and above only
     quiet: dict[str, Any] = {"runtime_env": env, "log_to_driver": False, "logging_level": logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):

@@ -24,6 +24,10 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import pytest
 from hypothesis import HealthCheck, settings
 
+from runtime.lean_imports import hide_unused_optional_packages
+
+hide_unused_optional_packages()  # as in every process of a run: transformers without scikit-learn
+
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -91,16 +95,19 @@ def pytest_collection_modifyitems(config, items):
         if on_worker and "@" not in item.nodeid:
             _name_group(item, group)
     items.sort(key=lambda item: start_order(groups[item]))  # stable: the rest keep their order
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if gpu_items and not _has_gpu():  # torch is imported only to answer this (3 CPU-s a process)
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def _has_gpu() -> bool:
     try:
         import torch
 
-        has_gpu = torch.cuda.is_available()
+        return bool(torch.cuda.is_available())
     except Exception:
-        has_gpu = False
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords and not has_gpu:
-            item.add_marker(skip_gpu)
+        return False
 
 
 def _name_group(item, group: str) -> None:

@@ -14,6 +14,7 @@ score are broken by corpus position, as in ``Bm25Index``. faiss and sentence-tra
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +38,8 @@ def load_encoder(path: str | Path, device: str | None = None) -> Any:
         raise EncoderError(f"encoder folder {folder} does not exist")
     if not ((folder / "modules.json").is_file() or (folder / "config.json").is_file()):
         raise EncoderError(f"{folder} is not a sentence-transformers folder (no modules.json or config.json)")
+    if "sklearn" in sys.modules and sys.modules["sklearn"] is None:
+        del sys.modules["sklearn"]  # hidden from transformers in our processes (runtime/lean_imports.py)
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(folder), device=device, local_files_only=True)

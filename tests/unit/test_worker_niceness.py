@@ -30,3 +30,11 @@ def test_the_user_s_niceness_is_kept(fake_ray, monkeypatch):
     monkeypatch.setenv("RAY_worker_niceness", "5")
     topology.init_ray(load_config())
     assert len(fake_ray) == 1 and topology.os.environ["RAY_worker_niceness"] == "5"
+
+
+def test_the_workers_of_a_local_instance_and_of_a_cluster_hide_scikit_learn(fake_ray, monkeypatch):
+    topology.init_ray(load_config())
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    topology.init_ray(load_config())
+    hooks = [kw["runtime_env"]["worker_process_setup_hook"] for kw in fake_ray]
+    assert hooks == ["runtime.lean_imports.hide_unused_optional_packages"] * 2  # Ray imports it by this name

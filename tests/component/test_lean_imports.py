@@ -1,0 +1,37 @@
+"""A process of ours loads transformers without scikit-learn (runtime/lean_imports.py says why), and the dense
+encoder still gets it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = """
+import importlib.util, json, sys
+from runtime.lean_imports import hide_unused_optional_packages
+hide_unused_optional_packages()
+from transformers import AutoModelForCausalLM  # what the learner, rank and sampler processes import
+import transformers.generation.candidate_generator as cg  # the module that imports scikit-learn if it can
+from transformers.utils import is_sklearn_available
+loaded = sorted(n for n in ("sklearn", "sklearn.metrics", "scipy.stats", "pandas") if sys.modules.get(n))
+hidden = dict(transformers=is_sklearn_available(), roc_curve=hasattr(cg, "roc_curve"), loaded=loaded)
+if "sklearn" in sys.modules and sys.modules["sklearn"] is None:  # what actors/envs/dense.py does
+    del sys.modules["sklearn"]
+import sklearn.metrics
+print(json.dumps({**hidden, "after": importlib.util.find_spec("sklearn") is not None}))
+"""
+
+
+def test_transformers_loads_without_scikit_learn_and_the_encoder_can_still_import_it():
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # scikit-learn is installed here (the retrieval extra), yet transformers sees none and loads none of it
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "transformers": False,
+        "roc_curve": False,
+        "loaded": [],
+        "after": True,
+    }
