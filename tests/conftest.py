@@ -59,7 +59,6 @@ SECOND_RAY = {
     "tests/ray/test_sampler_failure.py",
     "tests/ray/test_external_train.py",
     "tests/ray/test_learner_group.py",
-    "tests/ray/test_learner_two_nodes.py",
 }
 # The groups with a Ray instance of their own start first, in this order, so that none of them is left to
 # run alone at the end (`make test` passes --no-loadscope-reorder: xdist keeps this order). The modules that

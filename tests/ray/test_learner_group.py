@@ -32,12 +32,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 TOL = 1e-5
 
 
-@pytest.mark.parametrize(
-    ("method", "learner"),
-    [("grpo", {"max_tokens_per_microbatch": 24}), ("treeopsd", {})],  # grpo: split trees + padding passes
-)
-def test_two_ranks_train_the_one_rank_step(ray_cluster, tmp_path, tiny_model_dir, method, learner):
-    cfg = group_cfg(tmp_path, method, **learner)
+def test_two_ranks_train_the_one_rank_step(ray_cluster, tmp_path, tiny_model_dir):
+    # The rank actors' wiring (placement group, rendezvous, checkpoint) with the default method; the ranks'
+    # own arithmetic with both methods, split trees and padding passes included, is proven without Ray in
+    # tests/component/test_sharded_distributed.py (the same code in the same processes' shape, ~30 CPU-s less)
+    cfg = group_cfg(tmp_path, "treeopsd")
     ref = reference(tiny_model_dir, cfg)
     (trees,) = batches(ref.model, ref.tokenizer, 1)
     store = store_with(tmp_path / "store", trees)
@@ -50,8 +49,6 @@ def test_two_ranks_train_the_one_rank_step(ray_cluster, tmp_path, tiny_model_dir
     assert out["learner/loss"] == pytest.approx(want["learner/loss"], abs=TOL)
     assert out["learner/grad_norm"] == pytest.approx(want["learner/grad_norm"], rel=1e-5)
     assert out["learner/tokens"] == want["learner/tokens"] and out["learner/trees"] == B
-    if learner:  # over budget: trees were split, and ranks ran padding passes where they had fewer pieces
-        assert out["learner/microbatches"] >= 4
     ckpt = load_latest(tmp_path)
     assert ckpt.meta["format"] == 2 and ckpt.meta["ranks"] == 2
     assert set(ckpt.extra) == {"watermark", "step_metrics"} and ckpt.extra["watermark"] == 1

@@ -24,7 +24,8 @@ def small_cfg(run_dir, **extra):
 
 
 def test_a_learner_past_its_budget_stops_the_run_naming_it(ray_cluster, tmp_path, tiny_model_dir):
-    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0})
+    # one sampler: the learner's budget is what is tested (a second sampler's process cost ~14 CPU-s)
+    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0, "sampler.num_samplers": 1})
     topo = start_topology(cfg, tiny_model_dir)
     try:
         driver = Driver(cfg, topo, MemorySink())

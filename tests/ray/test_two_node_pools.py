@@ -2,6 +2,8 @@
 pool `train` and a worker in pool `sample`. The topology with `resources.learner.pool=train` and
 `resources.sampler.pool=sample` must put every SamplerActor on the sample node and the LearnerActor on the
 train node (checked through Ray's state API), and `check_pools` must reject a pool that no node provides.
+The sharded learner spans the two nodes: its 2 ranks ask for 2 CPUs each, the head has 2 and the worker 3, so
+the placement group's PACK strategy cannot put both bundles on one node, and they train the one-rank step.
 
 Both nodes advertise 127.0.0.2 (loopback; see launch/cluster.sh for why not 127.0.0.1), each has its own
 --temp-dir and free ports, and teardown stops only the processes this module started (their process groups,
@@ -21,8 +23,10 @@ import time
 from pathlib import Path
 
 import pytest
+from learner_group_fixtures import batches, group_cfg, reference, start_group, store_with, train
 
 from configs.schema import ConfigError, load_config
+from runtime.roles import stop_learner_group
 from tests.ray.test_train_e2e import small_cfg
 from tests.waiting import wait_until
 
@@ -286,3 +290,25 @@ def test_check_pools_rejects_a_pool_no_node_provides(two_nodes, tmp_path):
     with pytest.raises(ConfigError, match=r"resources\.learner = .*num_gpus 1.*no node of pool 'train'"):
         check_pools(pool_cfg(tmp_path, **{"resources.learner.num_gpus": 1}))
     check_pools(pool_cfg(tmp_path, **{"resources.backup.pool": "sample"}))  # any provided pool is fine
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_ranks_on_two_nodes_train_a_step(two_nodes, tmp_path, tiny_model_dir):
+    """In this module, on its cluster: a second two-node cluster cost ~100 CPU-s to start and stop."""
+    from runtime.pools import actor_nodes
+
+    cfg = group_cfg(tmp_path, cpus=2, collective_timeout_s=120.0)
+    ref = reference(tiny_model_dir, cfg)
+    (trees,) = batches(ref.model, ref.tokenizer, 1)
+    store = store_with(tmp_path / "store", trees)
+    group = start_group(cfg, tiny_model_dir, store)
+    try:
+        where = actor_nodes()["LearnerRankActor"]
+        out = train(group)
+    finally:
+        stop_learner_group(group)
+    assert len(set(where)) == 2, where  # one rank per node
+    want = ref.step(trees)
+    assert out["learner/loss"] == pytest.approx(want["learner/loss"], abs=1e-5)
+    assert out["learner/grad_norm"] == pytest.approx(want["learner/grad_norm"], rel=1e-5)
