@@ -4,11 +4,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -58,44 +55,11 @@ def init_ray(cfg: Config | None = None) -> None:
     # roles log to their own files; the driver prints warnings and above only
     quiet: dict[str, Any] = {"runtime_env": env, "log_to_driver": False, "logging_level": logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):
-        _ray_init(address=os.environ["RAY_ADDRESS"], **quiet)
+        ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
     else:
         # "local": a new instance even when a `ray start` cluster runs on this machine (a bare ray.init()
         # would join it, and then refuse num_cpus): two runs, or two test lanes, never share one by accident
-        _ray_init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
-
-
-# Ray gives a node 30 s (hard-coded) to register with its GCS, and a driver as long to find a node. On a
-# loaded machine (the test suite: 2 cores, ~10 runnable processes) a start missed it in 2 of 3 fresh-clone
-# runs; the same start, tried again at once, finds warm caches and an idle moment.
-STARTUP_TIMEOUTS = ("timed out during startup", "Failed to connect to Ray cluster")
-
-
-def _ray_init(**kwargs: Any) -> None:
-    """ray.init, once more after a start-up timeout, the first try's processes stopped."""
-    before = _children()
-    try:
-        ray.init(**kwargs)
-        return
-    except Exception as e:  # a bare Exception for the node's timeout, ConnectionError for the driver's
-        if not any(words in str(e) for words in STARTUP_TIMEOUTS):
-            raise
-        log.warning("Ray did not start in time (%s); stopping what it started and trying once more", e)
-    ray.shutdown()
-    for pid in _children() - before:  # the half-started node's GCS, raylet and helpers
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    ray.init(**kwargs)
-
-
-def _children() -> set[int]:
-    """This process's child processes (Ray starts a local node's processes as children)."""
-    me, found = str(os.getpid()), set()
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            if entry.read_text().rsplit(")", 1)[1].split()[1] == me:
-                found.add(int(entry.parent.name))
-    return found
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
 
 
 def role_options(cfg: Config, role: str) -> dict[str, Any]:

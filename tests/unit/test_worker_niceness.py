@@ -1,0 +1,40 @@
+"""A local Ray instance starts its workers at the machine's priority (nice 0), not Ray's nice 15, unless the
+user set RAY_worker_niceness (runtime/topology.py:WORKER_NICENESS_ENV says why)."""
+
+from __future__ import annotations
+
+import pytest
+
+from configs.schema import load_config
+from runtime import topology
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    calls = []
+    monkeypatch.setattr(topology.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(topology.ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return calls
+
+
+def test_a_local_instance_starts_its_workers_at_nice_0(fake_ray, monkeypatch):
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    topology.init_ray(load_config())
+    [kw] = fake_ray
+    assert kw["address"] == "local"
+    assert topology.os.environ["RAY_worker_niceness"] == "0"  # the raylet it starts reads this
+
+
+def test_the_user_s_niceness_is_kept(fake_ray, monkeypatch):
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    topology.init_ray(load_config())
+    assert len(fake_ray) == 1 and topology.os.environ["RAY_worker_niceness"] == "5"
+
+
+def test_the_workers_of_a_local_instance_and_of_a_cluster_hide_scikit_learn(fake_ray, monkeypatch):
+    topology.init_ray(load_config())
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    topology.init_ray(load_config())
+    hooks = [kw["runtime_env"]["worker_process_setup_hook"] for kw in fake_ray]
+    assert hooks == ["runtime.lean_imports.hide_unused_optional_packages"] * 2  # Ray imports it by this name
