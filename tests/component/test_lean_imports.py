@@ -18,8 +18,8 @@ import transformers.generation.candidate_generator as cg  # the module that impo
 from transformers.utils import is_sklearn_available
 loaded = sorted(n for n in ("sklearn", "sklearn.metrics", "scipy.stats", "pandas") if sys.modules.get(n))
 hidden = dict(transformers=is_sklearn_available(), roc_curve=hasattr(cg, "roc_curve"), loaded=loaded)
-if "sklearn" in sys.modules and sys.modules["sklearn"] is None:  # what actors/envs/dense.py does
-    del sys.modules["sklearn"]
+from actors.envs.dense import unhide_sklearn  # what the dense encoder calls before sentence-transformers
+unhide_sklearn()
 import sklearn.metrics
 print(json.dumps({**hidden, "after": importlib.util.find_spec("sklearn") is not None}))
 """
