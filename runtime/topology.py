@@ -25,6 +25,10 @@ LOOPBACK_ENV = {
 # tokenizer, an agent harness, a test worker): a kill-and-resume run that takes 47 s alone took 627 s and
 # failed on Ray's own timeouts, 103 s with the roles at 0. Set RAY_worker_niceness to choose otherwise.
 WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
+# Ray prestarts task workers for the first driver; every role is an actor, which gets a worker of its own, so
+# those sat idle for the whole run (2 processes, ~2.3 CPU-s to start and ~1 CPU-s a minute between them).
+# Set RAY_prestart_worker_first_driver=1 to have them back.
+NO_IDLE_WORKERS_ENV = {"RAY_prestart_worker_first_driver": "0"}
 
 
 def required_cpus(cfg: Config) -> float:
@@ -46,7 +50,7 @@ def init_ray(cfg: Config | None = None) -> None:
     if ray.is_initialized():
         return
     num_cpus = None if cfg is None else max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
-    for key, value in {**LOOPBACK_ENV, **WORKER_NICENESS_ENV}.items():
+    for key, value in {**LOOPBACK_ENV, **WORKER_NICENESS_ENV, **NO_IDLE_WORKERS_ENV}.items():
         os.environ.setdefault(key, value)  # read by the raylet this process starts
     env = {
         "env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV},

@@ -20,6 +20,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray workers at nice 0, as runtime/topology.py starts them: also for the test clusters started without it
 os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # runtime/topology.py:NO_IDLE_WORKERS_ENV
 
 import pytest
 from hypothesis import HealthCheck, settings

@@ -1,5 +1,6 @@
 """A local Ray instance starts its workers at the machine's priority (nice 0), not Ray's nice 15, unless the
-user set RAY_worker_niceness (runtime/topology.py:WORKER_NICENESS_ENV says why)."""
+user set RAY_worker_niceness (runtime/topology.py:WORKER_NICENESS_ENV says why); and prestarts no idle
+workers (NO_IDLE_WORKERS_ENV)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ def fake_ray(monkeypatch):
 
 def test_a_local_instance_starts_its_workers_at_nice_0(fake_ray, monkeypatch):
     monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
     topology.init_ray(load_config())
     [kw] = fake_ray
     assert kw["address"] == "local"
     assert topology.os.environ["RAY_worker_niceness"] == "0"  # the raylet it starts reads this
+    assert topology.os.environ["RAY_prestart_worker_first_driver"] == "0"  # and this: no idle workers
 
 
 def test_the_user_s_niceness_is_kept(fake_ray, monkeypatch):
