@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -63,7 +66,45 @@ def init_ray(cfg: Config | None = None) -> None:
     else:
         # "local": a new instance even when a `ray start` cluster runs on this machine (a bare ray.init()
         # would join it, and then refuse num_cpus): two runs, or two test lanes, never share one by accident
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+        _start_local(num_cpus=num_cpus, include_dashboard=False, **quiet)
+
+
+# Ray gives a node a hard-coded 30 s to register with its GCS (ray/_private/node.py). On a loaded machine (the
+# test suite: 2 cores, ~10 runnable processes) a `treeopsd train` missed it in 2 of the last 5 fresh-clone
+# runs and died with Ray's traceback; the same start tried again at once finds warm caches. Only a local
+# instance is tried again: every process it started is this process's child, so none is left behind. A
+# cluster's join is not (its node is not ours to stop).
+STARTUP_TIMEOUT = "timed out during startup"
+
+
+def _start_local(**kwargs: Any) -> None:
+    """ray.init(address="local"), again after Ray's start-up timeout, the first try's processes stopped."""
+    before = _ray_children()
+    try:
+        ray.init(address="local", **kwargs)
+        return
+    except Exception as e:  # Ray raises a bare Exception for it
+        if STARTUP_TIMEOUT not in str(e):
+            raise
+        log.warning("Ray's local instance did not start in 30 s (%s); stopping it and starting again", e)
+    ray.shutdown()
+    for pid in _ray_children() - before:  # the half-started node's GCS, raylet and helpers
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    ray.init(address="local", **kwargs)
+
+
+def _ray_children() -> set[int]:
+    """This process's child processes that are Ray's (a local node's processes are started as children)."""
+    me, found = str(os.getpid()), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if (
+                stat.read_text().rsplit(")", 1)[1].split()[1] == me
+                and b"ray" in (stat.parent / "cmdline").read_bytes()
+            ):
+                found.add(int(stat.parent.name))
+    return found
 
 
 def role_options(cfg: Config, role: str) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """A local Ray instance starts its workers at the machine's priority (nice 0), not Ray's nice 15, unless the
 user set RAY_worker_niceness (runtime/topology.py:WORKER_NICENESS_ENV says why); and prestarts no idle
-workers (NO_IDLE_WORKERS_ENV)."""
+workers (NO_IDLE_WORKERS_ENV); a local start that missed Ray's 30-s start-up limit is tried once more, any
+other error, and a cluster join, raised at once."""
 
 from __future__ import annotations
 
@@ -41,3 +42,40 @@ def test_the_workers_of_a_local_instance_and_of_a_cluster_hide_scikit_learn(fake
     topology.init_ray(load_config())
     hooks = [kw["runtime_env"]["worker_process_setup_hook"] for kw in fake_ray]
     assert hooks == ["runtime.lean_imports.hide_unused_optional_packages"] * 2  # Ray imports it by this name
+
+
+def _failing_first(monkeypatch, error: Exception) -> list[dict]:
+    calls: list[dict] = []
+
+    def init(**kw):
+        calls.append(kw)
+        if len(calls) == 1:
+            raise error
+
+    monkeypatch.setattr(topology.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(topology.ray, "init", init)
+    monkeypatch.setattr(topology.ray, "shutdown", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return calls
+
+
+# Ray's own words for a node that missed its hard-coded 30 s (ray/_private/node.py)
+TIMED_OUT = Exception("The current node timed out during startup. This could happen because some of the ...")
+
+
+def test_a_local_start_that_timed_out_is_tried_once_more_with_the_same_arguments(monkeypatch):
+    calls = _failing_first(monkeypatch, TIMED_OUT)
+    topology.init_ray(load_config())
+    assert len(calls) == 2 and calls[0] == calls[1] and calls[0]["address"] == "local"
+
+
+def test_any_other_start_error_and_a_cluster_join_are_raised_at_once(monkeypatch):
+    calls = _failing_first(monkeypatch, ValueError("num_cpus must be an integer"))
+    with pytest.raises(ValueError, match="num_cpus"):
+        topology.init_ray(load_config())
+    assert len(calls) == 1
+    calls = _failing_first(monkeypatch, TIMED_OUT)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.2:6379")  # a cluster's node is not ours to stop and restart
+    with pytest.raises(Exception, match="timed out during startup"):
+        topology.init_ray(load_config())
+    assert len(calls) == 1
