@@ -8,13 +8,13 @@ import contextlib
 import logging
 import os
 import signal
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from configs.schema import Config
 from runtime.lean_imports import WORKER_SETUP_HOOK
+from runtime.leftovers import descendants
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ STARTUP_TIMEOUT = "timed out during startup"
 
 def _start_local(**kwargs: Any) -> None:
     """ray.init(address="local"), again after Ray's start-up timeout, the first try's processes stopped."""
-    before = _ray_children()
+    before = descendants(os.getpid()).items()  # (pid, start time): a reused pid is not mistaken for ours
     try:
         ray.init(address="local", **kwargs)
         return
@@ -88,23 +88,10 @@ def _start_local(**kwargs: Any) -> None:
             raise
         log.warning("Ray's local instance did not start in 30 s (%s); stopping it and starting again", e)
     ray.shutdown()
-    for pid in _ray_children() - before:  # the half-started node's GCS, raylet and helpers
+    for pid, _ in descendants(os.getpid()).items() - before:  # the half-started node's GCS, raylet, helpers
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     ray.init(address="local", **kwargs)
-
-
-def _ray_children() -> set[int]:
-    """This process's child processes that are Ray's (a local node's processes are started as children)."""
-    me, found = str(os.getpid()), set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            if (
-                stat.read_text().rsplit(")", 1)[1].split()[1] == me
-                and b"ray" in (stat.parent / "cmdline").read_bytes()
-            ):
-                found.add(int(stat.parent.name))
-    return found
 
 
 def role_options(cfg: Config, role: str) -> dict[str, Any]:

@@ -49,14 +49,8 @@ class Role:  # every role is an actor: it gets a worker process of its own
 actor = Role.remote()
 role = ray.get(actor.pid.remote())
 time.sleep(2)  # Ray prestarts its workers when the first driver registers: long since begun by now
-
-def parent(pid):
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except OSError:  # ended while listed
-        return -1
-
-kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == raylet]
+from runtime.leftovers import descendants
+kids = list(descendants(raylet))
 titles = [open(f"/proc/{p}/cmdline").read().split(chr(0))[0] for p in kids]
 print(json.dumps({"titles": titles, "role_is_child": role in kids}))
 """
@@ -72,5 +66,5 @@ def test_a_local_instance_started_by_init_ray_keeps_no_idle_workers():
     out = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     probe = json.loads(out.stdout.splitlines()[-1])
-    assert probe["role_is_child"], probe  # the raylet's children were found: the role's worker is one
+    assert probe["role_is_child"], probe  # the raylet's processes were found: the role's worker is one
     assert not [t for t in probe["titles"] if t.startswith("ray::IDLE")], probe["titles"]
