@@ -1,6 +1,7 @@
 """The roles' processes run at the driver's priority: Ray's default nice 15 starved them beside any busy
 nice-0 process (runtime/topology.py:WORKER_NICENESS_ENV); and they load transformers without scikit-learn
-(runtime/lean_imports.py); and no idle worker sits beside them (runtime/topology.py:NO_IDLE_WORKERS_ENV)."""
+(runtime/lean_imports.py); and no idle worker sits beside them (runtime/topology.py:NO_IDLE_WORKERS_ENV), nor
+Ray's log monitor."""
 
 from __future__ import annotations
 
@@ -52,14 +53,16 @@ time.sleep(2)  # Ray prestarts its workers when the first driver registers: long
 from runtime.leftovers import descendants
 kids = list(descendants(raylet))
 titles = [open(f"/proc/{p}/cmdline").read().split(chr(0))[0] for p in kids]
-print(json.dumps({"titles": titles, "role_is_child": role in kids}))
+started = [open(f"/proc/{p}/cmdline").read().replace(chr(0), " ") for p in descendants(os.getpid())]
+print(json.dumps({"titles": titles, "role_is_child": role in kids, "started": started}))
 """
 
 
-def test_a_local_instance_started_by_init_ray_keeps_no_idle_workers():
+def test_a_local_instance_started_by_init_ray_keeps_no_idle_workers_and_no_log_monitor():
     """Ray titles a prestarted task worker `ray::IDLE` until a task takes it: with prestart on (Ray's default)
     2 of them sat under the raylet beside the roles for a whole run. init_ray's own default is what counts
-    here: the probe runs without the test session's RAY_prestart_worker_first_driver (tests/conftest.py)."""
+    here: the probe runs without the test session's RAY_prestart_worker_first_driver (tests/conftest.py).
+    Nor is the log monitor left running (runtime/topology.py:_stop_log_monitor): the roles log to files."""
     unset = ("RAY_ADDRESS", "RAY_prestart_worker_first_driver")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     run = [sys.executable, "-c", IDLE_PROBE]
@@ -68,3 +71,5 @@ def test_a_local_instance_started_by_init_ray_keeps_no_idle_workers():
     probe = json.loads(out.stdout.splitlines()[-1])
     assert probe["role_is_child"], probe  # the raylet's processes were found: the role's worker is one
     assert not [t for t in probe["titles"] if t.startswith("ray::IDLE")], probe["titles"]
+    started = probe["started"]  # every process the driver's ray.init started (its workers among them)
+    assert any("gcs_server" in c for c in started) and not [c for c in started if "log_monitor" in c], started
