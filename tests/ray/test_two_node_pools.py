@@ -225,7 +225,9 @@ def two_nodes():
     mp.delenv("RAY_ADDRESS", raising=False)
     refresh_auth()
     tmp = Path(tempfile.mkdtemp(prefix="tod2n-", dir="/tmp"))  # short: Ray's socket paths live under it
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # A joining node asks the GCS for the head node 20 times, 2 s apart (RAY_NUM_REDIS_GET_RETRIES): in ci12
+    # the loaded head's raylet had not registered 47 s after its GCS was up; the worker exited. 60: ~2 min.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_NUM_REDIS_GET_RETRIES="60")
     gcs_port = free_port()
     nodes: list[Node] = []
     t0 = time.perf_counter()
