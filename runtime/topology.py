@@ -82,17 +82,15 @@ def _start_local(**kwargs: Any) -> None:
     before = descendants(os.getpid()).items()  # (pid, start time): a reused pid is not mistaken for ours
     try:
         ray.init(address="local", **kwargs)
-        _stop_log_monitor()
-        return
     except Exception as e:  # Ray raises a bare Exception for it
         if STARTUP_TIMEOUT not in str(e):
             raise
         log.warning("Ray's local instance did not start in 30 s (%s); stopping it and starting again", e)
-    ray.shutdown()
-    for pid, _ in descendants(os.getpid()).items() - before:  # the half-started node's GCS, raylet, helpers
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    ray.init(address="local", **kwargs)
+        ray.shutdown()
+        for pid, _ in descendants(os.getpid()).items() - before:  # the half-started GCS, raylet, helpers
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        ray.init(address="local", **kwargs)
     _stop_log_monitor()
 
 
