@@ -15,8 +15,8 @@ builds the dense encoder imports scikit-learn as before.
 scipy.optimize, but only while transformers' losses load: its object-detection losses (`transformers/loss/`,
 which every model import loads) import scipy.optimize whenever scipy is installed, for a matcher no role
 calls: ~0.8 CPU-s of each such process here. bm25s and the statistics need scipy, so those modules alone get
-a stand-in whose `linear_sum_assignment` imports the real
-one if ever called (`ScipyHiddenFor`); scipy.optimize is imported as ever by anything else.
+a stand-in whose `linear_sum_assignment` imports the real one if ever called (`ScipyOptimizeStandIn`);
+scipy.optimize is imported as ever by anything else.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ SCIPY_FREE_PACKAGE = "transformers.loss."  # its detection losses (6 modules in 
 
 
 def hide_unused_optional_packages() -> None:
-    """Hides each package in UNUSED_OPTIONAL that this process has not imported yet, and scipy from
-    the imports of SCIPY_FREE_PACKAGE's modules (the finder is installed once per process)."""
+    """Hides each package in UNUSED_OPTIONAL that this process has not imported yet, and gives
+    SCIPY_FREE_PACKAGE's modules the stand-in scipy.optimize (the finder is installed once per process)."""
     for name in UNUSED_OPTIONAL:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
-    if not any(isinstance(f, ScipyHiddenFor) for f in sys.meta_path):
-        sys.meta_path.insert(0, ScipyHiddenFor(SCIPY_FREE_PACKAGE))
+    if not any(isinstance(f, ScipyOptimizeStandIn) for f in sys.meta_path):
+        sys.meta_path.insert(0, ScipyOptimizeStandIn(SCIPY_FREE_PACKAGE))
 
 
-class ScipyHiddenFor(importlib.abc.MetaPathFinder):
+class ScipyOptimizeStandIn(importlib.abc.MetaPathFinder):
     """Finds the modules under `prefix` as the other finders do, and runs each with a stand-in scipy.optimize
     unless the real one is imported already."""
 
@@ -60,12 +60,12 @@ class ScipyHiddenFor(importlib.abc.MetaPathFinder):
         for finder in others:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _ScipyHiddenLoader(spec.loader)
+                spec.loader = _StandInLoader(spec.loader)
                 return spec
         return None
 
 
-class _ScipyHiddenLoader(importlib.abc.Loader):
+class _StandInLoader(importlib.abc.Loader):
     """Runs the module with a stand-in `scipy.optimize` whose `linear_sum_assignment` imports the real one
     when called (transformers decided earlier that scipy is installed, so it must find the name)."""
 
