@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test browser test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme node-drill horizon-sweep horizon-sweep-quick clean
+.PHONY: venv test browser test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme node-drill horizon-sweep horizon-sweep-quick horizon-ablations horizon-ablations-quick clean
 
 venv: $(STAMP)
 
@@ -117,15 +117,21 @@ offpolicy-table: $(STAMP)
 	$(PY) -m experiments.offpolicy_drift configs/offpolicy_table.yaml --out benchmarks/results $(OFFPOLICY_ARGS)
 	$(VENV)/bin/treeopsd experiment configs/offpolicy_table.yaml --jobs 2 $(OFFPOLICY_ARGS)
 
-# Where TreeOPSD wins (issue 56): TreeOPSD, GRPO and TreePO at 3, 5 and 7 hops, 3 seeds, from a clean commit
-# (EXPERIMENT_ARGS=--allow-dirty runs uncommitted code and says so); -quick: one seed, 20 steps (≤ 20 min).
-# The paper's mechanism ablations at one horizon follow in horizon-ablations.
+# Where TreeOPSD wins (issue 56): TreeOPSD, GRPO and TreePO at 3, 5 and 7 hops, each horizon from its own
+# warm start, 3 seeds, from a clean commit (EXPERIMENT_ARGS=--allow-dirty runs uncommitted code and says so);
+# -quick: one seed, 20 steps. The paper's mechanism ablations at 7 hops: horizon-ablations.
 EXPERIMENT_ARGS ?=
 horizon-sweep: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/horizon_sweep.yaml --jobs 2 $(EXPERIMENT_ARGS)
 
 horizon-sweep-quick: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/horizon_sweep.yaml --quick --jobs 2 $(EXPERIMENT_ARGS)
+
+horizon-ablations: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/horizon_ablations.yaml --jobs 2 $(EXPERIMENT_ARGS)
+
+horizon-ablations-quick: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/horizon_ablations.yaml --quick --jobs 2 $(EXPERIMENT_ARGS)
 
 # Whole nodes lost mid-run (docs/design.md §14, the node drill): a fake 3-node Ray cluster on this machine,
 # the samplers' node killed at step 3, the store's at 7 and the learner's at 11 of 16;

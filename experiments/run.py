@@ -49,14 +49,16 @@ def _threads() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str) -> str:
-    """The seed's warm-started tiny model (cached in models_dir), or the base config's model.path."""
+def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str, row_name: str | None = None) -> str:
+    """The seed's warm-started tiny model (cached in models_dir) for `row_name`'s settings (default: the
+    first row's), or the config's model.path."""
     _threads()
     from experiments.grid import load_spec, resolved_config
     from runtime.model_setup import resolve_model
 
     spec = load_spec(spec_path, quick)
-    return resolve_model(resolved_config(spec, spec.rows[0], seed), progress=False, models_dir=models_dir)
+    row = next((r for r in spec.rows if r.name == row_name), spec.rows[0])
+    return resolve_model(resolved_config(spec, row, seed), progress=False, models_dir=models_dir)
 
 
 def run_one(
@@ -108,14 +110,15 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m experiments.run warm SPEC QUICK SEED MODELS_DIR` prints the model path;
+    """`python -m experiments.run warm SPEC QUICK SEED MODELS_DIR [ROW]` prints the model path;
     `... run SPEC QUICK RUN_JSON MODEL_PATH RUN_DIR` writes RUN_DIR/result.json. JSON in, JSON out."""
     import sys
 
     hide_unused_optional_packages()
     args = sys.argv[1:] if argv is None else argv
-    if len(args) == 5 and args[0] == "warm":
-        print(json.dumps({"model": warm_start(args[1], args[2] == "1", int(args[3]), args[4])}))
+    if len(args) in (5, 6) and args[0] == "warm":
+        row = args[5] if len(args) == 6 else None
+        print(json.dumps({"model": warm_start(args[1], args[2] == "1", int(args[3]), args[4], row)}))
         return 0
     if len(args) == 6 and args[0] == "run":
         run_one(args[1], args[2] == "1", json.loads(args[3]), args[4], args[5])

@@ -162,14 +162,7 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
         return results, failed, 0
     quick = "1" if spec.quick else "0"
     with ThreadPoolExecutor(jobs) as pool:  # each thread waits on one child process
-        seeds = sorted({spec.model_seed(r.seed) for r in todo})
-        warm = {
-            s: pool.submit(
-                _child, ["warm", spec.path, quick, str(s), str(models_dir)], runs_dir / f"warm-s{s}.log"
-            )
-            for s in seeds
-        }
-        model_for = {s: json.loads(f.result().splitlines()[-1])["model"] for s, f in warm.items()}
+        model_for = _warm_starts(spec, todo, runs_dir, models_dir, pool)
         pending: dict[Future[str], Any] = {}
         for r in todo:
             folder = runs_dir / r.key
@@ -179,7 +172,7 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
                 spec.path,
                 quick,
                 json.dumps(asdict(r)),
-                model_for[spec.model_seed(r.seed)],
+                model_for[r.key],
                 str(folder),
             ]
             pending[pool.submit(_child, args, folder / "log.txt")] = r
@@ -195,6 +188,30 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
                 msg = f"FAILED {failed[r.key]}"
             print(f"[{n}/{len(todo)}] {r.key} seed {r.seed} ({'; '.join(r.rows)}): {msg}", file=sys.stderr)
     return results, failed, len(todo) - len(failed)
+
+
+def _warm_starts(spec: Any, todo: list[Any], runs_dir: Path, models_dir: Path, pool: Any) -> dict[str, str]:
+    """Each run's start model: one warm start per distinct (model seed, `grid.warm_key`), in parallel,
+    named by the first row that needs it (cached in models_dir); returns run key -> model path."""
+    from experiments.grid import warm_key
+
+    quick = "1" if spec.quick else "0"
+    rows = {row.name: row for row in spec.rows}
+    needs: dict[tuple[int, str], str] = {}  # (model seed, warm key) -> the first row that needs it
+    run_start: dict[str, tuple[int, str]] = {}
+    for r in todo:
+        seed = spec.model_seed(r.seed)
+        start = (seed, warm_key(spec, rows[r.rows[0]], r.seed))
+        needs.setdefault(start, r.rows[0])
+        run_start[r.key] = start
+    futures = {}
+    for i, (start, row) in enumerate(needs.items()):
+        seed = start[0]
+        log = runs_dir / (f"warm-s{seed}.log" if i == 0 else f"warm-s{seed}-{i}.log")
+        args = ["warm", spec.path, quick, str(seed), str(models_dir), row]
+        futures[start] = pool.submit(_child, args, log)
+    model = {start: json.loads(f.result().splitlines()[-1])["model"] for start, f in futures.items()}
+    return {key: model[start] for key, start in run_start.items()}
 
 
 def _history(runs_dir: Path, prov: dict[str, Any], executed: int) -> list[dict[str, Any]]:

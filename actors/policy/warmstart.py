@@ -279,6 +279,7 @@ def evaluate_greedy(
 
 # ---- the whole warm-start -----------------------------------------------------------------------------
 DEFAULT_DIMS = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "vocab": 1024}  # configs: model.tiny
+DEFAULT_HOPS = (2, 4)  # configs: model.warmstart_hops (SFT questions, and the warm start's own evaluation)
 EVAL_THINK_CHUNKS = 8  # the warm start's own evaluation with thinking: spans of 64 tokens
 THINK_STEPS, THINK_BATCH = 400, 8  # the thinking phase after the task's SFT (budgets: oracle_examples)
 THINK_POSITIONS = 8192  # a thinking model's context: 7 turns of the longest span, and their observations
@@ -312,11 +313,13 @@ def warmstart(
     threads: int = 1,
     dims: dict[str, int] | None = None,
     think: bool = False,
+    hops: tuple[int, int] = DEFAULT_HOPS,
 ) -> dict[str, Any]:
     """Builds tokenizer + tiny model, SFTs on oracle trajectories, evaluates greedily on the eval split,
     saves the HF folder and `warmstart.json` in `out_dir`. Reuses a finished run with the same settings.
     `dims` (`model.tiny`: hidden, layers, heads, kv_heads, vocab) sizes the model; None: the defaults.
-    `think`: every oracle turn opens with a thinking span (`env.think_tokens`; actors/envs/thinking.py)."""
+    `think`: every oracle turn opens with a thinking span (`env.think_tokens`; actors/envs/thinking.py).
+    `hops`: the hop counts of the SFT questions, also those the warm start is evaluated on."""
     out = Path(out_dir)
     knobs: dict[str, Any] = {
         "steps": steps,
@@ -329,6 +332,8 @@ def warmstart(
         knobs["dims"] = dict(sorted(dims.items()))  # the default model keeps its cache key
     if think:
         knobs["think"] = THINK_STEPS  # the spans' phase: its length is part of what the model is
+    if tuple(hops) != DEFAULT_HOPS:
+        knobs["hops"] = list(hops)  # the default range keeps its cache key
     settings, digest = _settings(**knobs, warmup=warmup, schedule=schedule, eval_per_hop=eval_per_hop)
     if (hit := _cached(out, digest)) is not None:
         return hit
@@ -347,7 +352,8 @@ def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[
     tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))  # thinking or not
     positions = THINK_POSITIONS if think else 1024
     model = build_tiny_model(tokenizer, seed=cfg["seed"], max_positions=positions, **dims)
-    tasks = env.tasks("train", n=cfg["n_train"], hops=(2, 4))
+    lo, hi = cfg.get("hops", DEFAULT_HOPS)
+    tasks = env.tasks("train", n=cfg["n_train"], hops=(lo, hi))
     examples = oracle_examples(tokenizer, env, tasks, progress)
     t_data = time.perf_counter()
     sft = (cfg["batch_size"], cfg["lr"], cfg["warmup"], cfg["schedule"], cfg["seed"], tokenizer.pad_token_id)
@@ -356,7 +362,7 @@ def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[
         spans = oracle_examples(tokenizer, env, tasks[: THINK_STEPS * THINK_BATCH], progress, think=True)
         losses += sft_train(model, spans, THINK_STEPS, THINK_BATCH, *sft[1:], progress)
     t_train = time.perf_counter()
-    eval_tasks = env.tasks("eval", per_hop=cfg["eval_per_hop"])
+    eval_tasks = env.tasks("eval", per_hop=cfg["eval_per_hop"], hops=tuple(range(lo, hi + 1)))
     turn_tokens = 48 + 2 * CHUNK_TOKENS * env.think_chunks
     metrics = evaluate_greedy(model, env, eval_tasks, tokenizer, progress, turn_tokens)
     t_eval = time.perf_counter()

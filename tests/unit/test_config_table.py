@@ -63,6 +63,7 @@ BAD = [
     ("algo.method=ppo", r"^algo\.method = 'ppo' is invalid: allowed values are 'treeopsd', 'grpo'"),
     # model, model.tiny
     ("model.warmstart_steps=0", rf"^model\.warmstart_steps = 0 is invalid: {INT1}"),
+    ("model.warmstart_hops=[4, 2]", r"^model\.warmstart_hops = \[4, 2\] is invalid: .*low <= high"),
     ("model.threads=0", rf"^model\.threads = 0 is invalid: {INT1}"),
     ("model.dtype=int8", r"^model\.dtype = 'int8' is invalid: allowed values are 'float32', 'bfloat16'"),
     ("model.path=''", r"^model\.path = '' is invalid: expected a non-empty string or null"),
