@@ -172,6 +172,32 @@ def render_claims(claims: Sequence[Mapping[str, Any]], what: str = "the paper's 
     return "\n".join(lines)
 
 
+def render_findings(claims: Sequence[Mapping[str, Any]], steps: int) -> str:
+    """What the claims table shows and what it does not, in words generated from its greedy-success tests:
+    the orderings that hold (the first row wins), those reversed (it loses), and those with no difference
+    shown, each of these with its 95 % interval: how large a real difference could be and go unseen."""
+    groups: dict[str, list[str]] = {"Wins": [], "No difference shown": [], "Losses": []}
+    for c in claims:
+        test = PairedTest(**c["test"])
+        pair = f"{c['better']} over {c['worse']}"
+        figures = test.line().rsplit(":", 1)[0] if test.n >= 2 else test.verdict
+        if test.verdict == "holds":
+            groups["Wins"].append(f"{pair}, {figures}")
+        elif test.verdict == "reversed":
+            groups["Losses"].append(f"{pair}, {figures}")
+        else:
+            low, high = test.interval()
+            where = f", 95 % interval [{low:+.3f}, {high:+.3f}]" if math.isfinite(low) else ""
+            groups["No difference shown"].append(f"{pair}, {figures}{where}")
+    said = [f"{title}: " + "; ".join(items) + "." for title, items in groups.items() if items]
+    return (
+        "**What this shows and what it does not** (greedy held-out success, paired per seed, t with n − 1 "
+        "degrees of freedom, two-sided 5 %). " + " ".join(said) + " What it does not show: that a "
+        "difference inside an interval is absent (these seeds could not see it), or how the orderings "
+        f"hold for larger models, other tasks or longer training than {steps} learner steps per run."
+    )
+
+
 def best_per_group(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """A tuning grid's choice: per group (a method), the row with the highest mean `spec.select` metric."""
     best: dict[str, Mapping[str, Any]] = {}

@@ -255,6 +255,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         check_claims,
         render_best,
         render_claims,
+        render_findings,
         render_table,
         rows_summary,
     )
@@ -281,6 +282,7 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         body += f"\n\n{spec.claims_title}, checked per seed (verdicts: {where}):\n\n"
         paper = spec.claims_title == Spec.claims_title
         body += render_claims(claims, "the paper's ordering" if paper else "ordering")
+        body += "\n\n" + render_findings(claims, spec.steps)
     picks = best_per_group(spec, summary) if spec.select else []
     if picks:
         body += f"\n\nChosen per method (highest {spec.select}; these settings go into the comparison):\n\n"

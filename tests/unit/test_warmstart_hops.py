@@ -7,6 +7,7 @@ import hashlib
 import json
 
 import actors.policy.warmstart as warmstart_module
+from actors.envs.synthetic_kb import SyntheticKBEnv
 from configs.schema import load_config
 from experiments.grid import load_spec, plan, resolved_config, warm_key
 from runtime.model_setup import tiny_model_dir
@@ -45,6 +46,17 @@ def test_the_warm_start_trains_on_its_hops_and_a_default_run_stays_cached(tmp_pa
     report = warmstart_module.warmstart(tmp_path / "long", steps=7, hops=(2, 6), progress=False)
     assert not report["cached"] and seen[0]["hops"] == [2, 6] and report["settings"]["hops"] == [2, 6]
     assert report["settings_hash"] != default_digest
+
+
+def test_the_sft_questions_are_a_prefix_and_a_narrow_range_gives_all_it_has():
+    env = SyntheticKBEnv()
+    default = warmstart_module.sft_questions(env, (2, 4), 6000)
+    assert [t.meta["path"] for t in default] == [
+        t.meta["path"] for t in env.tasks("train", n=6000, hops=(2, 4))
+    ]
+    two = warmstart_module.sft_questions(env, (2, 2), 6000)
+    assert len(two) == len(env.tasks("train", hops=(2, 2))) < 6000  # every 2-hop question there is
+    assert {t.meta["hops"] for t in two} == {2}
 
 
 def test_each_horizon_of_the_sweep_starts_from_its_own_warm_start():
