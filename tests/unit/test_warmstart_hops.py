@@ -68,8 +68,12 @@ def test_each_horizon_of_the_sweep_starts_from_its_own_warm_start():
     assert warm_key(spec, spec.rows[0], 2) == keys[spec.rows[0].name]  # one warm-start seed for all seeds
     five = resolved_config(spec, next(r for r in spec.rows if r.name.startswith("5-hop")), 0)
     assert five.model.warmstart_hops == (2, 4) and five.env.train_hops == (4, 5)  # the paper table's start
-    seven = resolved_config(spec, next(r for r in spec.rows if r.name.startswith("7-hop")), 0)
+    seven_row = next(r for r in spec.rows if r.name.startswith("7-hop"))
+    seven = resolved_config(spec, seven_row, 0)
     assert (seven.model.warmstart_hops, seven.env.train_hops, seven.env.eval_hops) == ((2, 6), (6, 7), (7, 7))
+    assert (five.model.warmstart_steps, seven.model.warmstart_steps) == (1200, 2400)
+    ablations = load_spec("configs/horizon_ablations.yaml")
+    assert {warm_key(ablations, row, 0) for row in ablations.rows} == {keys[seven_row.name]}  # its start
     runs = plan(spec)
     # 12 rows x 3 seeds; the untrained rows' 9 runs evaluate only; every trained row costs 8 (M(1+N/2), G)
     assert len(runs) == 36 and sum(not r.train for r in runs) == 9
