@@ -119,19 +119,25 @@ offpolicy-table: $(STAMP)
 
 # Where TreeOPSD wins (issue 56): TreeOPSD, GRPO and TreePO at 3, 5 and 7 hops, each horizon from its own
 # warm start, 3 seeds, from a clean commit (EXPERIMENT_ARGS=--allow-dirty runs uncommitted code and says so);
-# -quick: one seed, 20 steps. The paper's mechanism ablations at 7 hops: horizon-ablations.
+# -quick: one seed, 20 steps. The paper's mechanism ablations at 7 hops: horizon-ablations. Both keep their
+# runs in one folder, so the ablations reuse the sweep's 7-hop TreeOPSD (4,2) and warm-start runs (same
+# config, same seed: same run).
 EXPERIMENT_ARGS ?=
+HORIZON_RUNS ?= runs/experiments/horizon
 horizon-sweep: $(STAMP)
-	$(VENV)/bin/treeopsd experiment configs/horizon_sweep.yaml --jobs 2 $(EXPERIMENT_ARGS)
+	$(VENV)/bin/treeopsd experiment configs/horizon_sweep.yaml --jobs 2 --runs-dir $(HORIZON_RUNS) $(EXPERIMENT_ARGS)
 
 horizon-sweep-quick: $(STAMP)
-	$(VENV)/bin/treeopsd experiment configs/horizon_sweep.yaml --quick --jobs 2 $(EXPERIMENT_ARGS)
+	$(VENV)/bin/treeopsd experiment configs/horizon_sweep.yaml --quick --jobs 2 --runs-dir $(HORIZON_RUNS)-quick \
+	  $(EXPERIMENT_ARGS)
 
 horizon-ablations: $(STAMP)
-	$(VENV)/bin/treeopsd experiment configs/horizon_ablations.yaml --jobs 2 $(EXPERIMENT_ARGS)
+	$(VENV)/bin/treeopsd experiment configs/horizon_ablations.yaml --jobs 2 --runs-dir $(HORIZON_RUNS) \
+	  $(EXPERIMENT_ARGS)
 
 horizon-ablations-quick: $(STAMP)
-	$(VENV)/bin/treeopsd experiment configs/horizon_ablations.yaml --quick --jobs 2 $(EXPERIMENT_ARGS)
+	$(VENV)/bin/treeopsd experiment configs/horizon_ablations.yaml --quick --jobs 2 --runs-dir $(HORIZON_RUNS)-quick \
+	  $(EXPERIMENT_ARGS)
 
 # Whole nodes lost mid-run (docs/design.md §14, the node drill): a fake 3-node Ray cluster on this machine,
 # the samplers' node killed at step 3, the store's at 7 and the learner's at 11 of 16;
