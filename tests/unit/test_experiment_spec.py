@@ -197,10 +197,13 @@ def test_claims_use_paired_per_seed_differences():
     words = render_findings(got, 100)
     assert "Wins: TreeOPSD over GRPO, +0.060 ± 0.006 (t = 10.39, df 2, p = 0.009)." in words
     assert "Losses: GRPO over TreeOPSD, -0.060 ± 0.006 (t = -10.39, df 2, p = 0.009)." in words
-    # TreeOPSD - ReAct: +0.0433 ± 0.0617, t(0.975, 2) = 4.303: 0.0433 ± 0.2654 -> [-0.222, +0.309]
+    # TreeOPSD - ReAct: +0.0433 ± 0.0617, t(0.975, 2) = 4.303: 0.0433 ± 0.2654 -> [-0.222, +0.309];
+    # seeds for 80 % power: sd 0.1069, ((1.960 + 0.842) * 0.1069 / 0.0433)^2 = 47.9, + 1.96^2 / 2 -> 50
     assert "No difference shown: TreeOPSD over ReAct, +0.043 ± 0.062 (t = 0.70, df 2, p = 0.555), " in words
-    assert "95 % interval [-0.222, +0.309]; TreeOPSD over rho = 0.25, +0.000 ± 0.000" in words
+    assert "95 % interval [-0.222, +0.309]; 50 seeds would show a true difference of 0.043; " in words
+    assert "TreeOPSD over rho = 0.25, the same success in each of 3 seeds." in words
     assert words.index("Wins") < words.index("No difference") < words.index("Losses")
+    assert "Losses: none." in render_findings(got[:1], 100)
     assert "longer training than 100 learner steps per run." in words
 
 
