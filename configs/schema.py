@@ -94,7 +94,7 @@ class ModelConfig(_Section):
     path: NonEmptyStr | None = None  # None: the tiny model, warm-started (cached in run_dir/../models)
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     warmstart_steps: PosInt = 1200
-    # hop counts of the tiny model's SFT trajectories: it answers those, and almost none one hop beyond
+    # hop counts of the tiny model's SFT trajectories: it answers most of those, and few one hop beyond
     warmstart_hops: Hops = (2, 4)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     threads: PosInt = 1

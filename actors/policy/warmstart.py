@@ -353,12 +353,14 @@ def sft_questions(env: SyntheticKBEnv, hops: tuple[int, int], n_train: int) -> l
 def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     think = bool(cfg.get("think"))
-    env = SyntheticKBEnv(think_chunks=EVAL_THINK_CHUNKS if think else 0)
+    lo, hi = cfg.get("hops", DEFAULT_HOPS)
+    # room for the longest question's searches and its answer in the warm start's own evaluation
+    turns = max(6, hi + 2)
+    env = SyntheticKBEnv(think_chunks=EVAL_THINK_CHUNKS if think else 0, max_turns=turns)
     dims = dict(cfg.get("dims") or DEFAULT_DIMS)
     tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))  # thinking or not
     positions = THINK_POSITIONS if think else 1024
     model = build_tiny_model(tokenizer, seed=cfg["seed"], max_positions=positions, **dims)
-    lo, hi = cfg.get("hops", DEFAULT_HOPS)
     tasks = sft_questions(env, (lo, hi), cfg["n_train"])
     examples = oracle_examples(tokenizer, env, tasks, progress)
     t_data = time.perf_counter()
