@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from actors.chat import ChatFormat
-from actors.envs.base import Environment, StepResult, Task
+from actors.envs.base import EnvFailure, Environment, StepResult, Task
 from actors.envs.tool_calls import ToolCall
 from system.policy import PolicyBackend, SampleRequest, mix_seed
 from system.tree_build import TreeBuilder
@@ -51,6 +51,7 @@ class Episode:
     finish: str | None = None
     reward: float | None = None
     verifier_failed: bool = False
+    dropped: str | None = None  # why the episode must not be trained on (an outside env's replay mismatch)
 
 
 def run_episodes(
@@ -128,13 +129,18 @@ def finish_turn(e: Episode, result: StepResult | None, truncated: bool, tokens, 
         _end(e, "verifier_error", 0.0, failed=True)
     elif result.done:
         _end(e, result.info.get("finish") or "done", float(result.reward or 0.0))
+        e.dropped = result.info.get("drop")  # the sampler removes this episode's turns from the tree
     elif truncated:
         _end(e, "truncated", 0.0)  # a cut turn cannot be continued: terminal, reward per verifier (none: 0)
     elif e.turns_done >= limits.max_turns:
         _end(e, "max_turns", 0.0)
     else:
         e.calls.append(result.call)
-        obs = chat.observation_tokens(result.observation or "", tokens)  # after this turn's own ids
+        messages = result.info.get("messages")  # an outside env's observation, as chat messages
+        if messages and hasattr(chat, "messages_tokens"):
+            obs = chat.messages_tokens(messages, tokens)
+        else:
+            obs = chat.observation_tokens(result.observation or "", tokens)  # after this turn's own ids
         e.builder.set_observation(node, obs)
         e.context = [*e.context, *tokens, *obs]
 
@@ -142,6 +148,9 @@ def finish_turn(e: Episode, result: StepResult | None, truncated: bool, tokens, 
 def _safe_step(env: Environment, e: Episode, text: str) -> StepResult | None:
     try:
         return env.step(e.task, [c for c in e.calls if c is not None], text)
+    except EnvFailure as exc:  # an outside environment's failure, already one line naming the task
+        log.warning("%s", exc)
+        return None
     except Exception:  # environments must not raise; if one does, the tree records a verifier error
         log.exception("environment %s raised on task %s", getattr(env, "name", "?"), e.task.task_id)
         return None

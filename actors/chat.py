@@ -58,6 +58,13 @@ class ChatFormat:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
+    def context_of(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The template's rendering of a task's own prompt messages plus the generation prompt, as ids."""
+        ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
     def observation_tokens(self, observation: str, turn: Sequence[int] | None = None) -> list[int]:
         """Ids after a turn that ended with the eos token (`turn`, the sampled ids, is not needed here)."""
         return list(

@@ -1,8 +1,8 @@
-"""Building the sampler's parts from a Config: environment, task splits, policy backend, loop limits, and
-the sampler role itself (`build_sampler`). Construction only; the role's work is in actors/tree_sampler.py.
+"""Building the sampler's parts from a Config: environment, task splits, policy backend, loop limits
+(`sampler_parts`: TreeSampler's constructor arguments). The role itself is built by runtime/builder.py's
+`make_sampler`, for both wirings; the role's work is in actors/tree_sampler.py.
 
-    sampler = build_sampler(cfg, model_path, index=0, store=store, weights=sink)
-    sampler.sample_and_commit(4)                    # 4 admitted prompts → 4 trees in the store
+    parts = sampler_parts(cfg, model_path, index=0)          # backend, env, tasks, limits, RNG, ...
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ import numpy as np
 from actors.agent_loop import LoopLimits
 from actors.envs.base import Environment, Task
 from actors.failures import explain
-from actors.heap import freeze_long_lived
 from actors.protocols import bind_protocol
-from actors.tree_sampler import TreeSampler, TreeShape
+from actors.tree_sampler import TreeShape
 from configs.schema import Config
 from storage.role_log import role_log_path
-from system.interfaces import StoreClient, WeightSink
 from system.policy import PolicyBackend, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -33,6 +31,10 @@ def build_env(cfg: Config) -> Environment:
     from actors.envs.retrieval_client import service_client
 
     e = cfg.env
+    if e.name == "gym":  # an outside environment (actors/envs/gym): its factory, pool and replay
+        from actors.envs.gym import build_gym_env
+
+        return build_gym_env(e)
     index = service_client(e)  # None: the environment builds its in-process BM25 index
     if e.name == "synthetic_kb":
         from actors.envs.synthetic_kb import KBConfig
@@ -56,6 +58,9 @@ def load_split(cfg: Config, split: str, env: Environment | None = None) -> list[
     from actors.envs import load_tasks
 
     e = cfg.env
+    if e.name == "gym":  # the ecosystem's own tasks (a verifiers taskset), or the rows of env.data
+        path = e.data if split == "train" else (e.eval_data or e.data)
+        return list((env if env is not None else build_env(cfg)).tasks(path))  # type: ignore[attr-defined]
     if e.name == "synthetic_kb":
         from actors.envs.synthetic_kb import KBConfig
 
@@ -168,31 +173,18 @@ def external_trees(cfg: Config, protocol: Any, index: int = 0) -> Any:
     e = cfg.env
     harness = load_harness(str(e.harness))
     port = sampler_port(e.agent_port, index)
-    endpoint = AgentEndpoint(e.agent_host, port, e.agent_token, wait_s=e.harness_timeout_s)
+    endpoint = AgentEndpoint(
+        e.agent_host, port, e.agent_token, wait_s=e.harness_timeout_s, agent_wait_s=e.agent_wait_s
+    )
     bounds = SamplingBounds(cfg.sampler.temperature, cfg.sampler.top_p)
     limits = HarnessLimits(e.harness_timeout_s, e.reward_timeout_s, e.harness_max_failures)
     templates = Templates(protocol)
-    ext = ExternalTrees(harness, endpoint, templates, bounds, limits, str(e.harness), e.side_calls)
+    ext = ExternalTrees(
+        harness, endpoint, templates, bounds, limits, str(e.harness), e.side_calls, e.tool_change, index
+    )
     ext.discovery = Discovery(cfg.run.run_dir, index)  # withdrawn when the sampler closes
     ext.discovery.publish(reachable_url(endpoint.url, e.agent_host))
     return ext
-
-
-def build_sampler(
-    cfg: Config,
-    model_path: str,
-    index: int = 0,
-    incarnation: int = 0,
-    *,
-    store: StoreClient | None = None,
-    weights: WeightSink | None = None,
-    backend: PolicyBackend | None = None,
-) -> TreeSampler:
-    """The sampler role; `store` and `weights` are where its trees go and where its weights come from."""
-    parts = sampler_parts(cfg, model_path, index, incarnation, backend)
-    sampler = TreeSampler(**parts, store=store, weights=weights)
-    freeze_long_lived()  # engine, model, env and index: out of every full collection (actors/heap.py)
-    return sampler
 
 
 def load_tokenizer(model_path: str) -> Any:

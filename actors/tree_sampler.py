@@ -1,5 +1,5 @@
 """The sampler role: initialize–expand rollout trees (docs/algorithm.md §2) for admitted prompts, committed to
-the store. Built from a config by `actors/sampler_setup.py:build_sampler`; on Ray an actor holds one
+the store. Built from a config by `runtime/builder.py:make_sampler`; on Ray an actor holds one
 (runtime/sampler_role.py) and forwards its calls.
 
     sampler = TreeSampler(backend, env, ChatFormat.from_tokenizer(tok), TreeShape(M=4, N=2), LoopLimits(),
@@ -27,18 +27,20 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from actors.agent_loop import Episode, LoopLimits, run_episodes
-from actors.async_loop import EpisodeRunner, gather_or_cancel
+from actors.async_loop import EpisodeRunner
 from actors.chat import ChatFormat
-from actors.envs.base import Environment, Task
+from actors.envs.base import EnvFailure, Environment, Task
+from actors.tree_plan import TreePlan, branch_episode, first_episode, grow_all
 from actors.turn_server import BatchedTurns, as_turn_server
 from actors.weight_gate import WeightGate, WeightPoller, load_version
 from system.interfaces import StoreClient, StoreUnavailable, WeightSink
@@ -49,6 +51,7 @@ from system.tree import RolloutTree
 from system.tree_build import TreeBuilder, plan_anchors
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,33 +61,28 @@ class TreeShape:
     anchor_shortfall: str = "skip"
 
 
+@dataclass(frozen=True)
+class Grown:
+    """What a tree source returns: the trees, and how many trees it dropped (all their episodes failed)."""
+
+    trees: list[RolloutTree]
+    dropped: int = 0
+
+
 class TreeSource(Protocol):
     """Where trees come from instead of the own agent loop: a harness driven through the agent endpoint
-    (actors/external/trees.py, `env.harness`). Admission, commit and metrics stay the sampler's; its own
-    counters (`metrics()`) join the sampler's metrics."""
+    (actors/external/trees.py, `env.harness`). Admission, commit and metrics stay the sampler's. A source
+    reads the sampler's `env`, `shape`, `limits` and `max_inflight`, and runs its episodes through
+    `sampler.run_round` (the backend, the weight gate, the sampler's occupancy counters); it keeps its own
+    counters (`metrics()`, joined to the sampler's) and writes nothing of the sampler's."""
 
     def grow(
         self, sampler: TreeSampler, tasks: Sequence[Task], rng: np.random.Generator, ids: Sequence[str]
-    ) -> list[RolloutTree]: ...
+    ) -> Grown: ...
 
     def metrics(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
-
-
-@dataclass
-class _Tree:
-    """One tree being sampled: its builder, its own generator (anchors, episode seeds), its episodes."""
-
-    task: Task
-    builder: TreeBuilder
-    rng: np.random.Generator
-    trunks: list[Episode]
-    branches: list[Episode] = field(default_factory=list)
-
-    @property
-    def episodes(self) -> list[Episode]:
-        return [*self.trunks, *self.branches]
 
 
 class TreeSampler:
@@ -151,6 +149,7 @@ class TreeSampler:
                 trees = self.sample(granted)
                 if trees:
                     self.store.put_raw(trees)  # the durable commit: the store writes the bytes it receives
+                    self._trees_stored(trees)
             except BaseException:
                 self.store.release(granted)  # give the reservation back before failing
                 raise
@@ -225,31 +224,41 @@ class TreeSampler:
             else [f"{t.task_id}-{rng.integers(1 << 62):x}" for t in tasks]
         )
         if self.external is not None:
-            return self.external.grow(self, tasks, rng, ids)
+            grown = self.external.grow(self, tasks, rng, ids)
+            self.dropped_trees += grown.dropped
+            return grown.trees
         seeds = rng.integers(1 << 62, size=len(tasks))  # one generator per tree: any loop order, same tree
-        plans = [self._plan(t, i, int(s)) for t, i, s in zip(tasks, ids, seeds, strict=True)]
+        plans = []
+        for task, tree_id, seed in zip(tasks, ids, seeds, strict=True):
+            try:
+                plans.append(self._plan(task, tree_id, int(seed)))
+            except EnvFailure as exc:  # an outside env that cannot even reset for this task: one line
+                self.dropped_trees += 1
+                log.warning("%s; tree %s dropped", exc, tree_id)
         if self.loop == "async":
-            self.run_async(_grow_all(self._episode_runner(), plans, self._expand))
+            self.run_async(grow_all(self._episode_runner(), plans, self._expand))
         else:
             self._lockstep(plans)
         trees = [self._finish(p) for p in plans]
         return [t for t in trees if t is not None]
 
-    def _plan(self, task: Task, tree_id: str, seed: int) -> _Tree:
+    def _plan(self, task: Task, tree_id: str, seed: int) -> TreePlan:
         b = self._builder(task, tree_id)
         rng = np.random.default_rng(seed)
-        trunks = [self._episode(task, b, f"{b.tree_id}/m{m}", rng) for m in range(self.shape.M)]
-        return _Tree(task, b, rng, trunks)
+        trunks = [first_episode(task, b, f"{b.tree_id}/m{m}", rng) for m in range(self.shape.M)]
+        return TreePlan(task, b, rng, trunks)
 
-    def _expand(self, p: _Tree) -> list[Episode]:
+    def _expand(self, p: TreePlan) -> list[Episode]:
         """Phase 2 of one tree, once its trajectories are done: the branches from its planned anchors."""
+        if any(e.dropped for e in p.trunks):  # a trunk that is not trained on: its tree goes (_finish)
+            return []
         if not any(e.nodes for e in p.trunks):
             raise ValueError(f"task {p.task.task_id}: the prompt alone exceeds the token budget")
         counts = [len(e.nodes) for e in p.trunks]
         anchors = plan_anchors(counts, self.shape.N, p.rng, self.shape.anchor_shortfall)
-        return [self._branch(p, p.trunks[m], k, j) for j, (m, k) in enumerate(anchors)]
+        return [branch_episode(p, p.trunks[m], k, j) for j, (m, k) in enumerate(anchors)]
 
-    def _lockstep(self, plans: list[_Tree]) -> None:
+    def _lockstep(self, plans: list[TreePlan]) -> None:
         self._run([e for p in plans for e in p.trunks])
         for p in plans:
             p.branches = self._expand(p)
@@ -277,6 +286,16 @@ class TreeSampler:
             self._server = as_turn_server(self.backend)
         return self._server
 
+    def run_round(self, episodes: Callable[[TurnServer, WeightGate], Awaitable[T]]) -> T:
+        """Runs `episodes(server, gate)` to its end with the weight gate watching (a tree source's round):
+        new weights between turns, the round's occupancy in the sampler's counters."""
+        server = self.turn_server()
+        gate = WeightGate(server, self.poller, self.stats)
+        runner = EpisodeRunner(
+            server, self.env, self.chat, self.limits, gate, max_inflight=1, tools=None, stats=self.stats
+        )
+        return self.run_async(runner.drive(episodes(server, gate)))
+
     def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs a coroutine over the turn server to its end, on the loop it needs (vLLM: the engine's)."""
         return self.turn_server().run_async(coro)
@@ -291,44 +310,54 @@ class TreeSampler:
             self._tools = ThreadPoolExecutor(threads, thread_name_prefix="tools")
         return self._tools
 
-    def _finish(self, p: _Tree) -> RolloutTree | None:
+    def _finish(self, p: TreePlan) -> RolloutTree | None:
         if any(e.verifier_failed for e in p.episodes) and self.limits.on_verifier_error == "drop_tree":
             self.dropped_trees += 1
             return None
-        p.builder.meta["finish"] = json.dumps({str(e.nodes[-1]): e.finish for e in p.episodes if e.nodes})
+        dropped = [e for e in p.episodes if e.dropped]
+        if any(e.dropped for e in p.trunks):
+            self.dropped_trees += 1
+            log.warning(
+                "tree %s dropped: %s", p.builder.tree_id, next(e.dropped for e in p.trunks if e.dropped)
+            )
+            return None
+        ids: dict[int, int] = {}
+        if dropped:  # dropped branches leave the tree; the others' node ids are renumbered
+            ids = p.builder.remove(n for e in dropped for n in e.nodes)
+            p.builder.meta["dropped_branches"] = json.dumps([e.dropped for e in dropped])
+            self.stats["sampler/dropped_branches"] = self.stats.get("sampler/dropped_branches", 0.0) + len(
+                dropped
+            )
+        ends = {
+            str(ids.get(e.nodes[-1], e.nodes[-1])): e.finish for e in p.episodes if e.nodes and not e.dropped
+        }
+        p.builder.meta["finish"] = json.dumps(ends)
         return p.builder.build()
+
+    def _trees_stored(self, trees: Sequence[RolloutTree]) -> None:
+        """An outside env's live instances of these trees' tasks are closed (actors/envs/gym)."""
+        close_tasks = getattr(self.env, "close_tasks", None)
+        if close_tasks is not None:
+            close_tasks(sorted({str(t.meta.get("task_id")) for t in trees}))
 
     def _run(self, episodes: list[Episode]) -> None:
         run_episodes(episodes, self.backend, self.env, self.chat, self.limits, between_rounds=self.catch_up)
 
     def _builder(self, task: Task, tree_id: str) -> TreeBuilder:
-        prompt = self.chat.initial_context(self.env.system_prompt(), self.env.user_prompt(task))
+        own = getattr(self.env, "prompt_messages", None)  # an outside env: the task's own messages
+        if own is not None:
+            prompt = self.chat.context_of(own(task))  # type: ignore[attr-defined]
+        else:
+            prompt = self.chat.initial_context(self.env.system_prompt(), self.env.user_prompt(task))
         meta = {"task_id": task.task_id, "dataset": task.dataset, "answers": json.dumps(list(task.answers))}
         return TreeBuilder(tree_id, prompt, prompt_id=task.task_id, meta=meta)
-
-    def _episode(self, task: Task, b: TreeBuilder, key: str, rng: np.random.Generator) -> Episode:
-        seed = int(rng.integers(1 << 62))
-        ctx = b.context_tokens(0)
-        return Episode(task, b, parent=0, context=ctx, calls=[], turns_done=0, key=key, seed=seed)
-
-    def _branch(self, p: _Tree, trunk: Episode, k: int, j: int) -> Episode:
-        """A fresh suffix from boundary k of `trunk`: under its k-th turn, after that turn's observation."""
-        anchor, b = trunk.nodes[k - 1], p.builder
-        return Episode(
-            p.task,
-            b,
-            parent=anchor,
-            context=b.context_tokens(anchor),
-            calls=list(trunk.calls[:k]),
-            turns_done=k,
-            key=f"{b.tree_id}/b{j}",
-            seed=int(p.rng.integers(1 << 62)),
-            parent_key=trunk.key,  # the backend crops the trunk's cache to the shared prefix
-        )
 
     def close(self) -> None:
         if self.external is not None:
             self.external.close()
+        env_close = getattr(self.env, "close", None)  # an outside env: its instances, its worker
+        if env_close is not None:
+            env_close()
         if self._tools is not None:
             self._tools.shutdown()
         if self.poller is not None:
@@ -338,19 +367,3 @@ class TreeSampler:
         if isinstance(self._server, BatchedTurns):
             self._server.close()
         self.backend.close()
-
-
-_Expand = Callable[["_Tree"], list[Episode]]
-
-
-async def _grow_all(runner: EpisodeRunner, plans: list[_Tree], expand: _Expand) -> None:
-    await runner.drive(gather_or_cancel(*(_grow(runner, p, expand) for p in plans)))
-
-
-async def _grow(runner: EpisodeRunner, p: _Tree, expand: _Expand) -> None:
-    """One tree on its own: its trajectories, then (at once) its branches, then its caches freed. A failing
-    episode cancels the others (`gather_or_cancel`): the round fails as a whole, with nothing left running."""
-    await gather_or_cancel(*(runner.run(e) for e in p.trunks))
-    p.branches = expand(p)
-    await gather_or_cancel(*(runner.run(e) for e in p.branches))
-    await runner.server.release(*(e.key for e in p.episodes))

@@ -20,12 +20,11 @@ versions). Otherwise it is set aside, not rejected (`stats()["waited_for_checksu
 (NEED) to hash it, and its second announcement, with checksums, is fetched instead; older versions are not
 fetched meanwhile (hashing takes less than fetching any version over a socket).
 
-Usage (the sampler, between turns)::
+Usage (the sampler polls it from one worker thread, actors/weight_gate.py, and loads what it returns
+between turns, `load_version`)::
 
     sub = WeightSubscriber(pub.endpoint)              # + server_public_key=pub.public_key with CURVE
-    got = sub.poll(timeout_ms=0)
-    if got is not None:
-        backend.load_weights(got[1], version=got[0])  # then stamp got[0] on what is sampled next
+    got = sub.poll(timeout_ms=0)                      # (version, tensors) or None
 
 Arrays are numpy (writable views of one private buffer or mapping); bfloat16 tensors come back as
 torch.bfloat16 tensors (numpy has no bfloat16), or as raw uint16 bits with `bfloat16="uint16"`. A version

@@ -43,17 +43,18 @@ def _timed_run(cfg: Any, model_dir: str, steps: int) -> dict[str, float]:
 
     from runtime.driver import Driver, start_topology, stop_topology
     from storage.metrics import MemorySink
+    from system.roles import StoreRole
 
     topo = start_topology(cfg, model_dir)
     sink = MemorySink()
     try:
         driver = Driver(cfg, topo, sink)
         driver.run(1)  # warm-up: actor start, first weights, first batch
-        consumed0 = ray.get(topo.store.stats.remote())["trees"]["consumed"]
+        consumed0 = ray.get(topo.store.call(StoreRole.stats))["trees"]["consumed"]
         t0 = time.perf_counter()
         driver.run(1 + steps)
         elapsed = time.perf_counter() - t0
-        consumed = ray.get(topo.store.stats.remote())["trees"]["consumed"] - consumed0
+        consumed = ray.get(topo.store.call(StoreRole.stats))["trees"]["consumed"] - consumed0
     finally:
         stop_topology(topo)
     step_s = [v for _, v in sink.series["learner/step_s"]][1:]

@@ -217,10 +217,10 @@ def _measure(
     """Sampler phase and raw replay, `repeats` times each from the same state (best time kept: the
     machine is shared), then prefix statistics; see the module docstring. Returns the backend too (HF: a
     fresh one per phase)."""
-    from actors.sampler_setup import build_sampler
+    from runtime.builder import make_sampler
 
     rec = RecordingBackend(backend)
-    worker = build_sampler(cfg, model, backend=rec)
+    worker = make_sampler(cfg, model, backend=rec)
     eos = worker.chat.stop_token_ids[0]
     _warm_up(rec.inner, eos)
     n0, rng_state = getattr(rec.inner, "_n_requests", 0), worker.rng.bit_generator.state

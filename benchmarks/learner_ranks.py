@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.lean_imports import hide_unused_optional_packages
+
 RANK_TIMEOUT_S = 900.0  # one rank process's whole run (model load, warm-up, repetitions)
 # Trees per learner step: a rollout batch of the size users train with (32-256), not a toy 8. Each mini-batch
 # costs the ranks a fixed exchange (FSDP2's all-gather and reduce-scatter over gloo) and waits for the rank
@@ -126,11 +128,11 @@ def _learner(spec: dict, rank: int) -> Any:
     if spec["world"] == 1:
         return Learner(model, cfg, tokenizer=tokenizer)
     from learner.distributed import init_process_group
-    from learner.sharded import ShardedLearner
+    from learner.sharded import sharded_learner
 
     timeout = cfg.learner.collective_timeout_s
     init_process_group(rank, spec["world"], "127.0.0.1", spec["port"], timeout, learner_device(cfg))
-    return ShardedLearner(model, cfg, tokenizer=tokenizer)
+    return sharded_learner(model, cfg, tokenizer=tokenizer)
 
 
 def _barrier(world: int) -> None:
@@ -272,6 +274,7 @@ def run(args: Any) -> dict:
 
 
 if __name__ == "__main__":
+    hide_unused_optional_packages()
     _rank_main(sys.argv[1], int(sys.argv[2]))
     # Everything this rank reports is in its files by now. Exit without the interpreter's finalization:
     # the FSDP model and its mesh still hold the gloo process group, whose worker threads, destroyed during

@@ -102,10 +102,10 @@ def _with(cfg: Any, *overrides: str) -> Any:
 
 
 def _worker(cfg: Any, model: str, backend: Any, loop: str) -> Any:
-    from actors.sampler_setup import build_sampler
+    from runtime.builder import make_sampler
 
     cfg = _with(cfg, f"sampler.loop={loop}", f"sampler.max_inflight_episodes={INFLIGHT}")
-    return build_sampler(cfg, model, backend=backend)
+    return make_sampler(cfg, model, backend=backend)
 
 
 def _clean(backend: Any) -> None:

@@ -171,6 +171,15 @@ GOALS: tuple[tuple[str, str, str, float | None, tuple[str, ...], str], ...] = (
         ("state_bytes_dp2", "state_bytes_dp1"),
         "per-rank parameter + gradient + AdamW bytes, 2 ranks over 1 (limit 0.5)",
     ),
+    (
+        "view",
+        "first_page_s",
+        "<=",
+        2.0,
+        ("trees", "segments", "index_all_s", "filtered_page_s"),
+        "`treeopsd view`: the list's first page over HTTP from a cold server, 10,000 small trees",
+    ),
+    ("view", "tree_s", "<=", 1.0, ("tree_p50_s",), "`treeopsd view`: one tree over HTTP (first, cold)"),
 )
 _OPS = {">=": operator.ge, "<=": operator.le}
 

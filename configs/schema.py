@@ -39,6 +39,7 @@ from configs.fields import (
     Url,
     rule,
 )
+from configs.gym import GymEnvKeys
 from configs.lora import LoraConfig
 from configs.messages import Allowed, message
 from configs.weights import WeightsConfig, is_loopback
@@ -96,12 +97,14 @@ class ModelConfig(_Section):
     path: NonEmptyStr | None = None  # None: the tiny model, warm-started (cached in run_dir/../models)
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     warmstart_steps: PosInt = 1200
+    # hop counts of the tiny model's SFT trajectories: it answers most of those, and few one hop beyond
+    warmstart_hops: Hops = (2, 4)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     threads: PosInt = 1
 
 
-class EnvConfig(_Section):
-    name: Literal["synthetic_kb", "multihop_qa", "deep_research"] = "synthetic_kb"
+class EnvConfig(GymEnvKeys):  # env.factory, env.python, … of env.name = gym: configs/gym.py
+    name: Literal["synthetic_kb", "multihop_qa", "deep_research", "gym"] = "synthetic_kb"
     data: NonEmptyStr | None = None  # dataset file for multihop_qa / deep_research
     corpus: NonEmptyStr | None = None
     eval_data: NonEmptyStr | None = None
@@ -144,7 +147,11 @@ class EnvConfig(_Section):
     # 0: a free port per sampler; a fixed port P: sampler i binds P + i (RUN_DIR/agent_endpoints.json)
     agent_port: Annotated[StrictInt, Field(ge=0, le=65535), Allowed(PORT_ALLOWED)] = 0
     agent_token: NonEmptyStr | None = None  # unset: $TREEOPSD_AGENT_TOKEN, if any
-    side_calls: Literal["train", "exclude"] = "train"  # a harness's side calls: linked trees, or unstored
+    # side calls (outside the episodes' lines): linked trees with signal, all of them, or counted only
+    side_calls: Literal["train", "all", "exclude"] = "train"
+    # a request changing a conversation's tools: a 409 (refuse), or a new context of the episode (continue)
+    tool_change: Literal["refuse", "continue"] = "refuse"
+    agent_wait_s: PosFloat = 10.0  # remote:queued: an episode no agent takes while none calls this long
 
     @model_validator(mode="after")
     def _retriever_rules(self) -> Self:
@@ -252,6 +259,9 @@ class LoggingConfig(_Section):
     tensorboard: StrictBool = True
     progress: StrictBool = True
     log_every: PosInt = 1  # without a progress bar: a metrics line on stderr every this many steps
+    # the learner's token log-probs, s_i and Z of every turn it trains, in RUN_DIR/learner_turns/ (what
+    # `treeopsd view` shows as the student's p and the turn's loss; learner/turn_record.py)
+    learner_turns: StrictBool = True
     # trackers beside tensorboard (storage/tracking.py), the same scalars and steps; off by default
     wandb: StrictBool = False
     wandb_project: NonEmptyStr = "treeopsd"

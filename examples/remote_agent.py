@@ -10,12 +10,15 @@ http://HOST:PORT/v1` serves one endpoint (a run of one sampler, or `env.agent_po
 With `env.agent_token` set, the token comes from `--token` or `$TREEOPSD_AGENT_TOKEN` (never from the file).
 
 It polls `GET /v1/tasks/next` for episodes and drives each with an unmodified client given only
-`base_url` and the task's `api_key` (the key names the episode's session). After its first turn it asks the
-model for a summary of the episode so far (a side call: another conversation on the same session), and, if
-the episode goes on, compacts its history to the question and that summary (a new conversation that the run
-records as a linked segment). Tools run in the run (`POST /v1/tools/call`); the reward, exact match against
-the task's answers, is posted (`POST /v1/reward`). Deterministic given the model's replies, as branching by
-replay needs. Stops after `--idle-exit-s` seconds without a task (or with the run's endpoints gone).
+`base_url` and the task's `api_key` (the key names the episode's session and opens it while the episode
+runs). After its first turn it asks the model for a summary of the episode so far (another conversation on
+the same session), and, if the episode goes on, compacts its history to the question and that summary:
+a new conversation with the same system message and tools, which the run records as the episode's
+continuation (its turns are branched like any), the summary a turn of the episode when its text is used.
+Tools run in the run (`POST /v1/tools/call`); the reward, exact match against the task's answers (the
+agent scores itself: the run's `answer` tool returns nothing), is posted (`POST /v1/reward`).
+Deterministic given the model's replies, as branching by replay needs. Stops after `--idle-exit-s` seconds
+without a task (or with the run's endpoints gone).
 """
 
 from __future__ import annotations

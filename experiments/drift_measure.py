@@ -107,7 +107,8 @@ def version_chain(cfg: Config, model_path: str, work: Path, steps: int) -> list[
         tok = load_tokenizer(model_path)
         for k in range(1, steps + 1):
             run.step()
-            folders.append(str(run.learner.save(work / "versions", k, {}, tok)))
+            # a folder per version: a checkpoint folder keeps only its newest few (storage/checkpoint.py)
+            folders.append(str(run.learner.save(work / "versions" / f"v{k}", k, {}, tok)))
     finally:
         run.close()
     return folders

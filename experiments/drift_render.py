@@ -17,7 +17,7 @@ def render(results: Mapping[str, Any]) -> str:
         "",
         f"`python -m experiments.offpolicy_drift {results['spec']}{quick}` — commit {results['commit']}"
         f"{_dirty(results)}, {results['date']}, {results['cpus']} CPUs ({results['cpu']}), "
-        f"{results['wall_s'] / 60:.1f} min wall.",
+        f"{results['wall_s'] / 60:.1f} min wall.{_rerendered(results)}",
         "",
         "Claim stated before the runs (configs/offpolicy_table.yaml): `auto` — "
         f"`{results['auto']}` — is within {TOLERANCE} of the best mode's expected batch cosine to π_prox's "
@@ -46,6 +46,13 @@ def render(results: Mapping[str, Any]) -> str:
     return "\n".join(head + body) + "\n"
 
 
+def _rerendered(results: Mapping[str, Any]) -> str:
+    again = results.get("rerendered")
+    if not again:
+        return ""
+    return f" Re-rendered at commit {again['commit']}{_dirty(again)}, {again['date']}."
+
+
 def _dirty(results: Mapping[str, Any]) -> str:
     return "" if results["clean"] else f" (**{results['note']}**)"
 
@@ -70,6 +77,8 @@ def conclusion(results: Mapping[str, Any]) -> str:
             f"On the {title} the best mode per bucket is {bests}; the modes within {TOLERANCE} of the best "
             f"in every bucket are {', '.join(ok) or 'none'}, so the claim for `{auto}` {held} there."
         )
+        if auto not in ok:
+            lines.append(_shortfalls(table, auto))
         worst = _worst(table)
         if worst is not None:
             lines.append(
@@ -82,6 +91,25 @@ def conclusion(results: Mapping[str, Any]) -> str:
         "model size."
     )
     return " ".join(lines)
+
+
+def _shortfalls(table: list[Mapping[str, Any]], mode: str) -> str:
+    """Where `mode` falls short of the tolerance, and whether each shortfall is significant (5 %, paired)."""
+    short = [
+        (b["bucket"], r["vs_best"])
+        for b in table
+        for r in b["modes"]
+        if r["mode"] == mode and not r["qualifies"] and r["vs_best"] is not None
+    ]
+    named = "; ".join(
+        f"{bucket}: {t['mean']:+.3f} ± {t['se']:.3f} (p = {t['p']:.3f}, {t['n']} batches)"
+        for bucket, t in short
+    )
+    significant = sum(t["p"] < 0.05 for _, t in short)
+    return (
+        f"`{mode}` falls short in {len(short)} bucket(s) ({named}), {significant} of them significant at 5 %"
+        + (": there these batches cannot tell the modes apart." if significant == 0 else ".")
+    )
 
 
 def _worst(table: list[Mapping[str, Any]]) -> tuple[str, str, float] | None:

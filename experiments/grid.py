@@ -334,6 +334,14 @@ def config_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
+def warm_key(spec: Spec, row: Row, seed: int) -> str:
+    """What decides the model a row starts from (its `model` section and whether it thinks): rows with
+    one key share a warm start; a horizon sweep's rows (model.warmstart_hops) each have their own."""
+    cfg = resolved_config(spec, row, spec.model_seed(seed))
+    start = {"model": cfg.model.model_dump(mode="json"), "think": cfg.env.think_tokens > 0}
+    return json.dumps(start, sort_keys=True)
+
+
 def plan(spec: Spec) -> list[Run]:
     """Distinct runs in seed-major order (all rows of the first seed first: a cut-short grid stays usable)."""
     runs: dict[str, Run] = {}

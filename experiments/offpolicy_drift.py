@@ -122,6 +122,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def rerender(path: Path, allow_dirty: bool) -> dict[str, Any]:
+    """An earlier results file with today's rendering; its own commit and date stay, the rendering's are
+    added (`rerendered`)."""
+    import json
+
+    from experiments import provenance
+
+    stamp = provenance.require_clean(allow_dirty)
+    results: dict[str, Any] = json.loads(path.read_text())
+    results["rerendered"] = {**stamp, "date": provenance.now()}
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     from experiments import provenance
     from experiments.drift_render import render
@@ -135,13 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allow-dirty", action="store_true", help="run from uncommitted code (said in the results)"
     )
+    parser.add_argument(
+        "--rerender", action="store_true", help="measures nothing: --out's results file rendered again"
+    )
     args = parser.parse_args(argv)
+    out, tag = Path(args.out), "offpolicy_drift" + ("_quick" if args.quick else "")
     try:
-        results = run(args)
-    except (ValueError, provenance.DirtyTree) as e:
+        results = rerender(out / f"{tag}.json", args.allow_dirty) if args.rerender else run(args)
+    except (ValueError, OSError, provenance.DirtyTree) as e:
         print(f"offpolicy_drift: {e}", file=sys.stderr)
         return 2
-    out, tag = Path(args.out), "offpolicy_drift" + ("_quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
     provenance.write_json(out / f"{tag}.json", results)
     (out / f"{tag}.md").write_text(render(results))

@@ -12,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.grid import Spec
-from experiments.stats import PairedTest, paired_test
+from experiments.stats import PairedTest, paired_test, pairs_needed
 
 METRICS = ("success", "sampled_success")  # greedy success; sampled pass@1 (temperature 1)
 # training diagnostics averaged over a run's steps (then over seeds); a column where any row logged one
 DIAGNOSTICS = (
+    ("tree/sampled_tokens", "sampled tokens/step"),
     ("weights/version_lag", "mean lag"),
     ("mismatch/k3", "mismatch k3 (μ vs step start)"),
     ("correction/weight_mean", "IS weight"),
@@ -101,8 +102,9 @@ def _fmt(ms: tuple[float, float], signed: bool = False) -> str:
     m, se = ms
     if math.isnan(m):
         return "—"
-    head = f"{m:+.3f}" if signed else f"{m:.3f}"
-    return head if math.isnan(se) else f"{head} ± {se:.3f}"
+    digits = 0 if abs(m) >= 100 else 3  # token counts in whole tokens, rates to three places
+    head = f"{m:+.{digits}f}" if signed else f"{m:.{digits}f}"
+    return head if math.isnan(se) else f"{head} ± {se:.{digits}f}"
 
 
 def render_table(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> str:
@@ -168,6 +170,43 @@ def render_claims(claims: Sequence[Mapping[str, Any]], what: str = "the paper's 
         g, sd = PairedTest(**c["test"]).line(), PairedTest(**c["sampled_test"]).line()
         lines.append(f"| {c['better']} > {c['worse']} | {c['seeds']} | {g} | {sd} |")
     return "\n".join(lines)
+
+
+def render_findings(claims: Sequence[Mapping[str, Any]], steps: int) -> str:
+    """What the claims table shows and what it does not, in words generated from its greedy-success tests:
+    the orderings that hold (the first row wins), those reversed (it loses), and those with no difference
+    shown, each of these with its 95 % interval (how large a real difference could be and go unseen) and the
+    seeds a test would need to see a true difference of the size measured (80 % power)."""
+    groups: dict[str, list[str]] = {"Wins": [], "No difference shown": [], "Losses": []}
+    for c in claims:
+        test = PairedTest(**c["test"])
+        pair = f"{c['better']} over {c['worse']}"
+        figures = test.line().rsplit(":", 1)[0] if test.n >= 2 else test.verdict
+        if test.verdict == "holds":
+            groups["Wins"].append(f"{pair}, {figures}")
+        elif test.verdict == "reversed":
+            groups["Losses"].append(f"{pair}, {figures}")
+        elif test.verdict == "tie":
+            groups["No difference shown"].append(f"{pair}, the same success in each of {test.n} seeds")
+        else:
+            groups["No difference shown"].append(f"{pair}, {figures}{_power(test)}")
+    said = [f"{title}: " + ("; ".join(items) or "none") + "." for title, items in groups.items()]
+    return (
+        "**What this shows and what it does not** (greedy held-out success, paired per seed, t with n − 1 "
+        "degrees of freedom, two-sided 5 %). " + " ".join(said) + " What it does not show: that a "
+        "difference inside an interval is absent (these seeds could not see it), or how the orderings "
+        f"hold for larger models, other tasks or longer training than {steps} learner steps per run."
+    )
+
+
+def _power(test: PairedTest) -> str:
+    """The 95 % interval of a difference not shown, and the seeds that would show one of its size."""
+    low, high = test.interval()
+    if not math.isfinite(low):
+        return ""
+    need = pairs_needed(test.se * math.sqrt(test.n), abs(test.mean))
+    seeds = f"; {need} seeds would show a true difference of {abs(test.mean):.3f}" if need else ""
+    return f", 95 % interval [{low:+.3f}, {high:+.3f}]{seeds}"
 
 
 def best_per_group(spec: Spec, summary: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -14,7 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.lean_imports import hide_unused_optional_packages
+
 TRAINING_CURVES = ("reward/mean", "learner/loss", "learner/grad_norm", "learner/max_abs_s", "tree/leaves")
+TRAINING_CURVES += ("tree/sampled_tokens",)
 STALENESS_CURVES = (
     "weights/version_lag",
     "mismatch/k3",
@@ -31,6 +34,7 @@ RUN_SETTINGS = (
     "store.eta=0",
     "sampler.num_samplers=1",
     "logging.progress=false",
+    "logging.learner_turns=false",  # `treeopsd view`'s per-turn record: hundreds of runs need none
     "learner.checkpoint_every=1000000",  # the run saves its final weights itself
 )
 
@@ -45,9 +49,10 @@ def _threads() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str) -> str:
-    """The seed's warm-started tiny model (cached in models_dir), or the base config's model.path, or with a
-    `prepare` section its data and protocol warm start (experiments/prepare.py)."""
+def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str, row_name: str | None = None) -> str:
+    """The seed's warm-started tiny model (cached in models_dir) for `row_name`'s settings (default: the
+    first row's), or the config's model.path, or with a `prepare` section its data and protocol warm start
+    (experiments/prepare.py)."""
     _threads()
     from experiments.grid import load_spec, resolved_config
     from runtime.model_setup import resolve_model
@@ -57,7 +62,8 @@ def warm_start(spec_path: str, quick: bool, seed: int, models_dir: str) -> str:
         from experiments.prepare import prepare_runs
 
         return prepare_runs(spec, seed, models_dir)
-    return resolve_model(resolved_config(spec, spec.rows[0], seed), progress=False, models_dir=models_dir)
+    row = next((r for r in spec.rows if r.name == row_name), spec.rows[0])
+    return resolve_model(resolved_config(spec, row, seed), progress=False, models_dir=models_dir)
 
 
 def run_one(
@@ -109,13 +115,15 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m experiments.run warm SPEC QUICK SEED MODELS_DIR` prints the model path;
+    """`python -m experiments.run warm SPEC QUICK SEED MODELS_DIR [ROW]` prints the model path;
     `... run SPEC QUICK RUN_JSON MODEL_PATH RUN_DIR` writes RUN_DIR/result.json. JSON in, JSON out."""
     import sys
 
+    hide_unused_optional_packages()
     args = sys.argv[1:] if argv is None else argv
-    if len(args) == 5 and args[0] == "warm":
-        print(json.dumps({"model": warm_start(args[1], args[2] == "1", int(args[3]), args[4])}))
+    if len(args) in (5, 6) and args[0] == "warm":
+        row = args[5] if len(args) == 6 else None
+        print(json.dumps({"model": warm_start(args[1], args[2] == "1", int(args[3]), args[4], row)}))
         return 0
     if len(args) == 6 and args[0] == "run":
         run_one(args[1], args[2] == "1", json.loads(args[3]), args[4], args[5])

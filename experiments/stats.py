@@ -34,6 +34,14 @@ class PairedTest:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def interval(self, level: float = 0.95) -> tuple[float, float]:
+        """The two-sided confidence interval of the mean difference, mean ± t(1 − (1 − level)/2, df)·se
+        (NaN without a standard error)."""
+        if self.n < 2 or not math.isfinite(self.se):
+            return (math.nan, math.nan)
+        half = float(scipy_stats.t.isf((1 - level) / 2, self.df)) * self.se
+        return (self.mean - half, self.mean + half)
+
     def line(self) -> str:
         """`+0.060 ± 0.006 (t = 10.39, df 2, p = 0.009): holds` — the figures behind a verdict."""
         if self.n == 0:

@@ -172,5 +172,31 @@ def audit_run(
         "store_verify": verify,
         "restarts": {**summary.get("restarts", {}), "sampler": summary.get("sampler_restarts")},
         "learner_step_retries": summary.get("learner_step_retries"),
+        "batch_audit": batch_audit(summary.get("batch_events", []), steps),  # the run's own record of them
         "checkpoint": summary.get("checkpoint"),
+    }
+
+
+def trained_batches(events: Sequence[tuple[str, int]]) -> list[int]:
+    """The batch indices the model holds, in training order, after applying the rewinds."""
+    out: list[int] = []
+    for op, k in events:
+        if op in ("trained", "unlogged"):
+            out.append(k)
+        elif op == "rewind":
+            out = [b for b in out if b < k]
+        else:
+            raise ValueError(f"unknown batch event {op!r}")
+    return out
+
+
+def batch_audit(events: Sequence[tuple[str, int]], steps: int) -> dict[str, list[int] | int]:
+    """Batches trained twice and batches skipped on the way to `steps` steps (both empty in a sound run)."""
+    held = trained_batches(events)
+    counts = Counter(held)
+    return {
+        "trained": len(held),
+        "twice": sorted(k for k, c in counts.items() if c > 1),
+        "skipped": sorted(set(range(steps)) - set(counts)),
+        "unlogged": sorted(k for op, k in events if op == "unlogged"),
     }

@@ -17,10 +17,9 @@ from __future__ import annotations
 import os
 import random
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from runtime.restart_policy import rss_slope_mb_per_min
 
 ROLE_CLASSES = {
     "sampler": ("SamplerActor",),
@@ -166,3 +165,18 @@ def _rss_bytes(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def rss_slope_mb_per_min(samples: Sequence[tuple[float, float]], warmup_s: float) -> float | None:
+    """Least-squares slope of resident memory (bytes) over time (seconds) after `warmup_s`, in MB/min;
+    None with fewer than 3 samples past the warm-up."""
+    pts = [(t, b) for t, b in samples if t >= warmup_s]
+    if len(pts) < 3:
+        return None
+    n = len(pts)
+    mt, mb = sum(t for t, _ in pts) / n, sum(b for _, b in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    if var == 0:
+        return None
+    slope = sum((t - mt) * (b - mb) for t, b in pts) / var  # bytes per second
+    return slope * 60.0 / 1e6

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from runtime.lean_imports import hide_unused_optional_packages
+
 COMMANDS = {
     "train": "asynchronous (or --sync) training on Ray",
     "demo": "one-command demo on the embedded default (tiny model, offline task)",
@@ -31,8 +33,10 @@ COMMANDS = {
     "config": "print the resolved config (`config show [--config F] [k=v ...]`)",
     "soak": "train while killing a random role on a schedule; audit the store and the batches after",
     "drill": "`train --steps N` with each role SIGKILLed once at random; check every batch trained once",
+    "view": "a local web page over a run's rollout trees (`view RUN_DIR`, or `--export DIR`)",
 }
 BENCHMARKS = ("store", "sampler", "learner", "pipeline", "weights", "credit", "retrieval", "learner_ranks")
+BENCHMARKS += ("view",)
 # a benchmark is the module benchmarks.bench_<name> unless named here
 BENCH_MODULES = {"learner_ranks": "benchmarks.learner_ranks"}
 BENCH_ALIASES = {"learner_scale": "learner_ranks"}  # the name the issue tracker and earlier notes use
@@ -94,6 +98,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         write_atomic(args.out, (text + "\n").encode())
         if len(names) > 1:
             _write_summary(results, args.out)
+        elif callable(render := getattr(module, "render", None)):  # its own markdown beside the JSON
+            from pathlib import Path
+
+            write_atomic(Path(args.out).with_suffix(".md"), render(out).encode())
     return 0
 
 
@@ -134,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' own progress bars (loading and writing weights, a few ms each) follow the hub's
     # switch; the project's bars (steps, evaluation) stay. HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them too.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hide_unused_optional_packages()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may stand anywhere (`treeopsd eval a.b=1 --samples 4 c.d=2`): argparse only takes one run

@@ -51,6 +51,8 @@ fi
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 export RAY_USAGE_STATS_ENABLED="${RAY_USAGE_STATS_ENABLED:-0}"
 export VLLM_HOST_IP="${VLLM_HOST_IP:-127.0.0.1}"
+# the roles at the priority of the rest of the machine, not Ray's nice 15 (runtime/topology.py: why)
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 
 usage() {
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '/^set -euo/d' -e 's/^# \{0,1\}//'

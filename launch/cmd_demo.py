@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.cmd_view import view_command
 from storage.durable import write_atomic
 
 
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"treeopsd demo: {e}", file=sys.stderr)
         return 2
     prepare_run_dir(cfg, resume=False)
+    print(f"look at its trees: {view_command(run_dir)}", file=sys.stderr)
     print("[2/4] evaluating the warm-started model", file=sys.stderr)
     before = evaluate_split(cfg, model_path)
     print(
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     write_atomic(Path(run_dir, "demo.md"), render_markdown(report).encode())
     print(json.dumps(report, indent=2))
     print("\n" + render_markdown(report).split("\n\n", 2)[2], file=sys.stderr)  # the figures, as in demo.md
+    print(f"look at its trees: {report['view']}", file=sys.stderr)
     return 0
 
 
@@ -90,6 +93,7 @@ def demo_report(before: dict, after: dict, summary: dict, run_dir: Path) -> dict
         "train_s": round(summary["elapsed_s"], 1),
         "run_dir": str(run_dir.resolve()),
         "tensorboard": f"tensorboard --logdir {(run_dir / 'tb').resolve()} --host 127.0.0.1",
+        "view": view_command(run_dir),
         "checkpoint": summary["checkpoint"],
     }
     if "sampled_task_rewards" in before and "sampled_task_rewards" in after:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument(
         "--allow-dirty", action="store_true", help="run from uncommitted code (the results then say so)"
+    )
+    parser.add_argument(
+        "--rerender",
+        action="store_true",
+        help="runs nothing: the table of --out's <name>.json again, with the current statistics",
     )
 
 
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     except DirtyTree as e:
         print(f"treeopsd experiment: {e}", file=sys.stderr)
         return 2
+    if args.rerender:
+        return _rerender(spec, tag, Path(args.out), stamp)
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     prov, t0 = {**_provenance(jobs), **stamp}, time.time()  # the code that runs is the code at the start
     results, failed, executed = _execute(spec, runs, runs_dir, Path(args.models_dir), jobs)
@@ -77,6 +85,32 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _write_outputs(spec, tag, results, failed, out, prov)
     return 1 if failed else 0
+
+
+def _rerender(spec: Any, tag: str, out: Path, stamp: dict[str, Any]) -> int:
+    """The table and claims of an earlier run's results file, recomputed from its runs (their numbers as
+    they were written) with today's statistics; the runs' own provenance (`executed_by`) is kept."""
+    from experiments import provenance
+
+    path = out / f"{tag}.json"
+    try:
+        data = json.loads(path.read_text())
+        results, failed, prov = _nan_back(data["runs"]), data["failed"], data["provenance"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"treeopsd experiment: --rerender needs {path} from an earlier run ({e})", file=sys.stderr)
+        return 2
+    prov = {**prov, **stamp, "date": provenance.now(), "rerendered": True}
+    _write_outputs(spec, tag, results, failed, out, prov)
+    return 0
+
+
+def _nan_back(x: Any) -> Any:
+    """JSON's nulls (written for NaN by _no_nan) as NaN again."""
+    if isinstance(x, dict):
+        return {k: _nan_back(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_back(v) for v in x]
+    return math.nan if x is None else x
 
 
 def _child(args: list[str], log: Path) -> str:
@@ -128,14 +162,7 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
         return results, failed, 0
     quick = "1" if spec.quick else "0"
     with ThreadPoolExecutor(jobs) as pool:  # each thread waits on one child process
-        seeds = sorted({spec.model_seed(r.seed) for r in todo})
-        warm = {
-            s: pool.submit(
-                _child, ["warm", spec.path, quick, str(s), str(models_dir)], runs_dir / f"warm-s{s}.log"
-            )
-            for s in seeds
-        }
-        model_for = {s: json.loads(f.result().splitlines()[-1])["model"] for s, f in warm.items()}
+        model_for = _warm_starts(spec, todo, runs_dir, models_dir, pool)
         pending: dict[Future[str], Any] = {}
         for r in todo:
             folder = runs_dir / r.key
@@ -145,7 +172,7 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
                 spec.path,
                 quick,
                 json.dumps(asdict(r)),
-                model_for[spec.model_seed(r.seed)],
+                model_for[r.key],
                 str(folder),
             ]
             pending[pool.submit(_child, args, folder / "log.txt")] = r
@@ -161,6 +188,30 @@ def _execute(spec: Any, runs: list[Any], runs_dir: Path, models_dir: Path, jobs:
                 msg = f"FAILED {failed[r.key]}"
             print(f"[{n}/{len(todo)}] {r.key} seed {r.seed} ({'; '.join(r.rows)}): {msg}", file=sys.stderr)
     return results, failed, len(todo) - len(failed)
+
+
+def _warm_starts(spec: Any, todo: list[Any], runs_dir: Path, models_dir: Path, pool: Any) -> dict[str, str]:
+    """Each run's start model: one warm start per distinct (model seed, `grid.warm_key`), in parallel,
+    named by the first row that needs it (cached in models_dir); returns run key -> model path."""
+    from experiments.grid import warm_key
+
+    quick = "1" if spec.quick else "0"
+    rows = {row.name: row for row in spec.rows}
+    needs: dict[tuple[int, str], str] = {}  # (model seed, warm key) -> the first row that needs it
+    run_start: dict[str, tuple[int, str]] = {}
+    for r in todo:
+        seed = spec.model_seed(r.seed)
+        start = (seed, warm_key(spec, rows[r.rows[0]], r.seed))
+        needs.setdefault(start, r.rows[0])
+        run_start[r.key] = start
+    futures = {}
+    for i, (start, row) in enumerate(needs.items()):
+        seed = start[0]
+        log = runs_dir / (f"warm-s{seed}.log" if i == 0 else f"warm-s{seed}-{i}.log")
+        args = ["warm", spec.path, quick, str(seed), str(models_dir), row]
+        futures[start] = pool.submit(_child, args, log)
+    model = {start: json.loads(f.result().splitlines()[-1])["model"] for start, f in futures.items()}
+    return {key: model[start] for key, start in run_start.items()}
 
 
 def _history(runs_dir: Path, prov: dict[str, Any], executed: int) -> list[dict[str, Any]]:
@@ -211,7 +262,8 @@ def _write_outputs(spec, tag, results, failed, out: Path, prov: dict[str, Any]) 
         f"{list(spec.seeds)}{ablation}, {spec.steps} learner steps per run, evaluated on {n_eval} held-out "
         f"questions (greedy, and {spec.samples} samples each at temperature 1), mean ± standard error over "
         f"seeds.\n\n"
-        f"Runs executed by {ran or 'nothing'}. Table rendered at commit {prov['commit']} on "
+        f"Runs executed by {ran or 'nothing'}. Table {'re-' if prov.get('rerendered') else ''}rendered at "
+        f"commit {prov['commit']} on "
         f"{prov['cpus']} CPUs ({prov['cpu']}), {prov['date']}.{_note(prov)}\n\n"
     )
     claims, per_question, claims_text = _claims(spec, results)
@@ -241,7 +293,7 @@ def _claims(spec: Any, results: dict[str, Any]) -> tuple[list[Any], list[Any], s
     """The claims tested per seed and, with `per_question: true`, per held-out question; their text."""
     from experiments.grid import Spec
     from experiments.question_pairs import QUESTION_NOTE, question_claims, render_question_claims
-    from experiments.report import check_claims, render_claims
+    from experiments.report import check_claims, render_claims, render_findings
 
     claims, text = check_claims(spec, results), ""
     if claims:
@@ -249,6 +301,7 @@ def _claims(spec: Any, results: dict[str, Any]) -> tuple[list[Any], list[Any], s
         text += f"\n\n{spec.claims_title}, checked per seed (verdicts: {where}):\n\n"
         paper = spec.claims_title == Spec.claims_title
         text += render_claims(claims, "the paper's ordering" if paper else "ordering")
+        text += "\n\n" + render_findings(claims, spec.steps)
     per_question = question_claims(spec, results) if spec.per_question and claims else []
     if per_question:
         text += f"\n\nThe same orderings per held-out question ({QUESTION_NOTE}):\n\n"

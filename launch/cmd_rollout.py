@@ -65,8 +65,9 @@ def sample_into(cfg: Any, model: str, store: Any, prompts: int, samplers: int, c
 
     from tqdm.auto import tqdm
 
-    from actors.sampler_setup import build_sampler, sampler_seed
+    from actors.sampler_setup import sampler_seed
     from actors.tree_sampler import TreeSampler
+    from runtime.builder import make_sampler
     from runtime.model_setup import build_policy
 
     incarnation = len(store.tree_ids())  # grows with every run: fresh tree ids and seeds each time
@@ -90,7 +91,7 @@ def sample_into(cfg: Any, model: str, store: Any, prompts: int, samplers: int, c
     try:
         for i in range(samplers):
             backend = build_policy(cfg, model, seed=sampler_seed(cfg, i, incarnation))
-            workers.append(build_sampler(cfg, model, i, incarnation, backend=backend))
+            workers.append(make_sampler(cfg, model, i, incarnation, backend=backend))
         t0 = time.perf_counter()  # seconds = sampling and commits, not engine/env start-up
         if samplers == 1:
             work(workers[0], quotas[0])  # no thread: plain tracebacks

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from storage.durable import write_atomic
+from storage.run_control import write_control
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,12 +31,7 @@ def request_scale(run_dir: str | os.PathLike, samplers: int) -> dict:
         raise ValueError(f"--samplers must be >= 1, got {samplers}")
     if driver_alive(run) is False:  # None: no record (a cluster run), the control file is the only way
         raise ValueError(f"{run} is not running (its driver has exited); nothing would read the request")
-
-    from runtime.driver import CONTROL_FILE, read_control  # Ray is imported only for a valid request
-
-    control = {"samplers": samplers, "seq": int((read_control(run) or {}).get("seq", 0)) + 1}
-    write_atomic(run / CONTROL_FILE, json.dumps(control).encode(), unique=True)  # never read half-written
-    return control
+    return write_control(run, samplers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,34 +96,47 @@ def prepare_run_dir(cfg: Any, resume: bool) -> Path:
     return run_dir
 
 
+def check_before_start(cfg: Any) -> None:
+    """What can be known wrong before Ray starts, raised as one line (ConfigError or ValueError)."""
+    from configs.schema import ConfigError
+    from storage.tracking import check_trackers
+
+    if cfg.run.sampler_lag:  # a controlled lag needs the in-process wiring; on Ray the lag is what it is
+        raise ConfigError(
+            f"run.sampler_lag = {cfg.run.sampler_lag} is invalid: expected 0 for a run on Ray (it holds "
+            "back the in-process samplers of `treeopsd experiment`; here set store.eta)"
+        )
+    check_trackers(cfg.logging)
+    if cfg.env.harness:  # importable here, before Ray starts, or one line naming env.harness
+        from actors.external.discovery import check_ports
+        from actors.external.trees import load_harness
+
+        load_harness(cfg.env.harness)
+        check_ports(cfg.env.agent_host, cfg.env.agent_port, cfg.sampler.num_samplers)  # P .. P + N - 1
+    if cfg.env.name == "gym":  # the factory imports (in env.python, if set) and the tasks load here
+        from actors.envs.gym import check_gym_env
+
+        check_gym_env(cfg.env)
+
+
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError
+    from launch.cmd_view import view_command
     from runtime.model_setup import ModelPathError, resolve_model
-    from storage.tracking import check_trackers
 
     try:
         cfg = config_from_args(args)
-        if cfg.run.sampler_lag:  # a controlled lag needs the in-process wiring; on Ray the lag is what it is
-            raise ConfigError(
-                f"run.sampler_lag = {cfg.run.sampler_lag} is invalid: expected 0 for a run on Ray (it holds "
-                "back the in-process samplers of `treeopsd experiment`; here set store.eta)"
-            )
-        check_trackers(cfg.logging)
-        if cfg.env.harness:  # importable here, before Ray starts, or one line naming env.harness
-            from actors.external.discovery import check_ports
-            from actors.external.trees import load_harness
-
-            load_harness(cfg.env.harness)
-            check_ports(cfg.env.agent_host, cfg.env.agent_port, cfg.sampler.num_samplers)  # P .. P + N - 1
+        check_before_start(cfg)
         model_path = resolve_model(cfg, progress=cfg.logging.progress)
     except (ConfigError, ModelPathError, ValueError) as e:
         print(f"treeopsd train: {e}", file=sys.stderr)
         return 2
     prepare_run_dir(cfg, args.resume)
+    print(f"look at its trees: {view_command(cfg.run.run_dir)}", file=sys.stderr)
     before = evaluate_split(cfg, model_path) if args.eval else None
+    from runtime.decisions import RoleFailed
     from runtime.learner_group import LearnerRankError
     from runtime.ray_run import ray_training
-    from runtime.restart_policy import RoleFailed, resume_command
     from runtime.signals import Abort
 
     again = resume_command(sys.argv[1:], cfg.run.run_dir)
@@ -169,3 +184,12 @@ def evaluate_split(cfg: Any, model_path: str) -> dict[str, Any]:
             samples=cfg.run.eval_samples,
             workers=cfg.run.eval_workers,  # nothing else runs meanwhile: every core may evaluate
         )
+
+
+def resume_command(argv: Sequence[str], run_dir: str) -> str:
+    """The command line that continues this run: the same arguments with --resume (and the run directory)."""
+    args = [a for a in argv if a != "--resume"]
+    args = args[1:] if args[:1] == ["train"] else args  # sys.argv[1:] starts with the subcommand
+    if not any(a == "--run-dir" or a.startswith(("--run-dir=", "run.run_dir=")) for a in args):
+        args += ["--run-dir", run_dir]
+    return shlex.join(["treeopsd", "train", "--resume", *args])

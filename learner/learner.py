@@ -56,6 +56,7 @@ from learner.packing import PackedBatch
 from learner.parallel_plan import Padding, ParallelPlan, Pass, SingleProcess
 from learner.reference_pass import reference_pass
 from learner.step_plan import micro_inputs, minibatch_groups, select_trees, selection_stats, step_targets
+from learner.turn_record import TurnRecorder
 from storage.checkpoint import Checkpoint, checkpoint_bytes, checkpointed_metrics
 from system.interfaces import StoreClient, WeightSource
 from system.microbatch import Piece
@@ -104,6 +105,7 @@ class Learner:
         # after that (publish, checkpoint, a lost store) loses its return value, not the record of the step
         self.last_metrics: dict[str, float] | None = None
         self.drift_warned: set[float] = set()  # the turn-KL levels already warned of (system/staleness.py)
+        self.turns: TurnRecorder | None = None  # set by train_step: the step's turns for `treeopsd view`
 
     # ---- the role ---------------------------------------------------------------------------------
     def start(self, resume: bool = False) -> Checkpoint | None:
@@ -125,7 +127,15 @@ class Learner:
             self.wait_s += time.perf_counter() - t0
             return None
         self.lag_history.extend(version_lags(trees, self.version).tolist())
-        metrics = {**batch_metrics(trees, self.version), **self.step(trees)}
+        if self.cfg.logging.learner_turns:
+            rank = self.parallel.progress().get("rank", 0)
+            self.turns = TurnRecorder(self.cfg.run.run_dir, batch_index, self.version, rank)
+        try:
+            metrics = {**batch_metrics(trees, self.version), **self.step(trees)}
+            if self.turns is not None:
+                self.turns.write()
+        finally:
+            self.turns = None
         metrics.update({"learner/batch_index": float(batch_index), "learner/step": float(self.version)})
         self._watch_drift(metrics)
         self.last_metrics = metrics
@@ -216,6 +226,8 @@ class Learner:
                     turn_view = (ref, None if self.method.trains_paths else weights)  # weights per turn token
                     version = self.version if first else None
                     parts.append(microbatch_stats(packed, logp.detach(), st, version, turn_view))
+                    if self.turns is not None and epoch == 0:
+                        self.turns.add(packed, logp, *turn_view, targets[j].tree_ids, targets[j].z, j)
                 per_mb.append(self._optimizer_step(parts))
         self.version += 1
         stats.update(summarize_minibatches(per_mb))

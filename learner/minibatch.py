@@ -52,6 +52,7 @@ class MinibatchTargets:
     leaf_adv: torch.Tensor | None  # [Σ nodes] float64: GRPO/GSPO/TreePO advantage at leaves, 0 elsewhere
     turn_w: torch.Tensor | None  # [Σ nodes] float64 depth weights, or None (w ≡ 1)
     z: float
+    tree_ids: tuple[str, ...] = ()  # the mini-batch's trees in order (packed.turn_tree indexes them)
 
     def at_leaves(self, packed: PackedBatch) -> torch.Tensor:
         assert self.leaf_adv is not None
@@ -84,6 +85,7 @@ def minibatch_targets(
         leaf_adv=None if adv is None else torch.from_numpy(adv),
         turn_w=None if w is None else torch.from_numpy(w),
         z=METHODS[method].normalizer(trees, turn_weights),
+        tree_ids=tuple(t.tree_id for t in trees),
     )
 
 

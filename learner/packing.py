@@ -30,9 +30,9 @@ Turns and leaves are numbered per batch; `turn_tree`/`turn_node` and `leaf_tree`
 of the mini-batch (its index in the list given) and which node each is, so per-tree quantities (teacher,
 advantages, weights) computed once for a mini-batch can be gathered for any of its micro-batches.
 `pack_paths` builds the reference: one ordinary causal sequence per leaf (root→leaf, right-padded, default
-positions); the loss sits on the turns that sequence owns (`full=False`, TreeOPSD) or on every turn of the
-path (`full=True`). A loss token whose context is empty (empty prompt, first token) has no logits to read
-and is left out of the loss in both layouts.
+positions; one per context it crosses: restarts, system/tree.py); the loss sits on the turns that sequence
+owns (`full=False`, TreeOPSD) or on every turn of the path (`full=True`). A loss token whose context is
+empty (empty prompt, first token) has no logits to read and is left out of the loss in both layouts.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def _piece_row(tree: RolloutTree, piece: Piece, start: int, turn_offset: int, le
     for i in piece.nodes:
         n = tree.nodes[i]
         end = col + len(n.tokens) + len(n.obs_tokens)
-        spans[i], par = (col, end), n.parent
+        spans[i], par = (col, end), n.parent if n.parent in spans else -1  # a restart starts a context
         base[i] = 0 if par < 0 else base[par] + spans[par][1] - spans[par][0]
         prev = -1 if par < 0 else last[par]
         last[i] = end - 1 if end > col else prev
@@ -213,9 +213,9 @@ def _piece_row(tree: RolloutTree, piece: Piece, start: int, turn_offset: int, le
         if par >= 0 and par in reach:
             reach[par] = max(reach[par], reach[i])
     row.reach = [np.full(spans[i][1] - spans[i][0], reach[i]) for i in piece.nodes]
-    for k, leaf in enumerate(int(x) for x in tree.leaves):
-        if leaf in piece.owned:
-            row.pairs.append((np.concatenate([loss_cols[j] for j in tree.path(leaf)]), leaf_offset + k))
+    for k, leaf in enumerate(int(x) for x in tree.leaves):  # a path's run in each context it crosses
+        for run in (r for r in tree.context_runs(leaf) if r[-1] in piece.owned):
+            row.pairs.append((np.concatenate([loss_cols[j] for j in run]), leaf_offset + k))
     return row
 
 
@@ -317,20 +317,19 @@ def _merge(rows: Sequence[_Row]) -> _Row:
 
 
 def pack_trees(trees: Sequence[RolloutTree], concat: bool = False) -> PackedBatch:
-    """Every stored token of every tree exactly once (one whole-tree piece each; see `pack_pieces`)."""
-    return pack_pieces(trees, [split_tree(k, t, 0)[0] for k, t in enumerate(trees)], concat)
+    """Every stored token of every tree once: its pieces (one, or one per context with restarts)."""
+    return pack_pieces(trees, [p for k, t in enumerate(trees) for p in split_tree(k, t, 0)], concat)
 
 
-def pack_tree(tree: RolloutTree) -> PackedBatch:
-    """One tree packed into one row (`pack_trees([tree])`)."""
+def pack_tree(tree: RolloutTree) -> PackedBatch:  # `pack_trees([tree])`
     return pack_trees([tree])
 
 
 def _path_row(
-    tree: RolloutTree, leaf: int, turn_offset: int, leaf_index: int, full: bool, start: int
+    tree: RolloutTree, run: list[int], leaf: int, turn_offset: int, leaf_index: int, full: bool, start: int
 ) -> _Row:
     row, col, cols_loss = _Row(), start, []
-    for i in [ROOT, *tree.path(leaf)]:
+    for i in run:
         n = tree.nodes[i]
         end = col + len(n.tokens) + len(n.obs_tokens)
         target = np.where(np.arange(col, end) - 1 >= start, np.arange(col, end) - 1, -1)
@@ -376,9 +375,10 @@ def pack_paths(
         for j, leaf in enumerate(int(x) for x in tree.leaves):
             if sequences is not None and (k, leaf) not in sequences:
                 continue
-            row = _path_row(tree, leaf, turns[k], leaves[k] + j, full, col if concat else 0)
-            rows.append(row)
-            col += sum(len(x) for x in row.ids)
+            for run in tree.context_runs(leaf):  # one row per context the path crosses (restarts)
+                row = _path_row(tree, run, leaf, turns[k], leaves[k] + j, full, col if concat else 0)
+                rows.append(row)
+                col += sum(len(x) for x in row.ids)
     if concat:
         return _collate([_merge(rows)], trees, "tree", used)
     return _collate(rows, trees, "causal", used)

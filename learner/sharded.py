@@ -63,7 +63,7 @@ from system.interfaces import StoreClient
 from system.microbatch import Piece, first_fit_decreasing
 from system.tree import RolloutTree
 
-__all__ = ["Fsdp2Ranks", "Padding", "ShardedLearner", "assign_to_ranks", "init_process_group", "rank_plan"]
+__all__ = ["Fsdp2Ranks", "Padding", "assign_to_ranks", "init_process_group", "rank_plan", "sharded_learner"]
 
 
 def assign_to_ranks(tokens: Sequence[int], ranks: int) -> list[list[int]]:
@@ -85,9 +85,9 @@ def rank_plan(pieces: Sequence[Piece], budget: int, ranks: int) -> list[list[lis
     return [first_fit_decreasing([pieces[i] for i in idx], budget) for idx in split]
 
 
-def ShardedLearner(model: nn.Module, cfg: Config, **kwargs: Any) -> Learner:
-    """`Learner` on this rank of an initialized process group, with the `Fsdp2Ranks` plan (module docstring;
-    a class once, the role keeps its name). Rank 0 alone holds the store client and the weight source; the
+def sharded_learner(model: nn.Module, cfg: Config, **kwargs: Any) -> Learner:
+    """`Learner` on this rank of an initialized process group, with the `Fsdp2Ranks` plan (module docstring).
+    Rank 0 alone holds the store client and the weight source; the
     others pass None."""
     return Learner(model, cfg, parallel=Fsdp2Ranks(dist.get_rank(), dist.get_world_size()), **kwargs)
 

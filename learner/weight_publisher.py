@@ -179,9 +179,10 @@ class WeightPublisher:
             if data is None:  # retired (newer versions exist) or never published
                 self._send(peer, [GONE, arg[0]])
                 return
-            self._send(peer, [CHUNK, arg[0], data])
+            # counted before the send: a subscriber that has every chunk must find them all counted
             self._stats["chunks_served"] += 1
             self._stats["bytes_served"] += data.nbytes
+            self._send(peer, [CHUNK, arg[0], data])
         elif kind == NEED and len(arg) == 1 and len(arg[0]) == VERSION.size:
             # Sent if known, else hashed (once) and broadcast; ignored for a version a newer one superseded.
             self._peers.add(peer)

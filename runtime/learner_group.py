@@ -3,10 +3,10 @@ placement group, one bundle per rank (docs/design.md §12); the ranks take the b
 (runtime/placement.py), so a node's ranks and GPUs are contiguous whatever order Ray numbered them in.
 
     group = start_learner_group(cfg, data, model_path, store, resume, opts)   # runtime/roles.py
-    refs = group.call("train_step", 0.05)          # every rank runs the step: it is a run of collectives
+    refs = group.call(LearnerRole.train_step, 0.05)   # every rank runs the step: it is a run of collectives
     done, out = group.poll(refs, timeout_s=0.05)   # rank 0's answer once all are done; raises
                                                    # LearnerRankError naming the rank that died or hung
-    group.stop()                                   # every rank, then the placement group
+    pg, options, address = rank_placement(cfg, ranks, opts)   # where each rank's actor goes
 
 The bundles ask for the role's CPUs and GPUs (and its `resources.learner.pool`, as one actor does), packed
 onto as few nodes as fit them, so the group spans nodes only when one node is too small. Rank 0's node
@@ -18,17 +18,22 @@ names the rank that died (Ray reports it) or the ones that never finished (hung)
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from configs.schema import Config, ConfigError
+from runtime.remote import Handle
+from runtime.store_client import one_line
+from system.roles import LearnerRole
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
@@ -56,17 +61,20 @@ class LearnerRankError(RuntimeError):
 
 @dataclass
 class LearnerGroup:
-    actors: list[Any]  # in rank order; actors[0] is the learner the driver and the samplers talk to
+    actors: list[
+        Handle[LearnerRole]
+    ]  # in rank order; actors[0] is the learner the driver and samplers talk to
     timeout_s: float  # learner.collective_timeout_s
     placement: PlacementGroup | None = None
-    release: Callable[[LearnerGroup, float], None] | None = None  # runtime/roles.py:stop_learner_group
 
     @property
-    def rank0(self) -> Any:
+    def rank0(self) -> Handle[LearnerRole]:
         return self.actors[0]
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(a, method).remote(*args) for a in self.actors]
+    def call(
+        self, method: Callable[Concatenate[LearnerRole, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> list[ray.ObjectRef[T]]:
+        return [a.call(method, *args, **kwargs) for a in self.actors]
 
     def poll(self, refs: list[Any], timeout_s: float) -> tuple[bool, Any]:
         """(False, None) while a rank is still busy; (True, rank 0's result) when all are done."""
@@ -97,11 +105,12 @@ class LearnerGroup:
         died = [r for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
         raised = [r for r, e in errors.items() if r not in died and not _is_collective(e)]
         culprit = died[0] if died else raised[0] if raised else None
-        others = "; ".join(f"rank {r}: {_brief(e)}" for r, e in sorted(errors.items()) if r != culprit)
+        others = "; ".join(f"rank {r}: {one_line(e, 240)}" for r, e in sorted(errors.items()) if r != culprit)
         if died:
-            return f"learner rank {culprit} died ({_brief(errors[died[0]])}); then {others or 'nothing else'}"
+            then = others or "nothing else"
+            return f"learner rank {culprit} died ({one_line(errors[died[0]], 240)}); then {then}"
         if raised:
-            return f"learner rank {culprit} failed: {_brief(errors[raised[0]])}"
+            return f"learner rank {culprit} failed: {one_line(errors[raised[0]], 240)}"
         if pending:
             return (
                 f"learner rank {pending[0]} hung: it did not finish the step while the other ranks' "
@@ -110,19 +119,12 @@ class LearnerGroup:
         return f"learner ranks failed in a collective: {others}"
 
     def stop_calls(self, timeout_s: float) -> None:
-        """Asks every rank to stop and waits up to `timeout_s` (the actors themselves: `stop`)."""
-        refs = self.call("stop")
+        """Asks every rank to stop and waits up to `timeout_s` (runtime/roles.py then kills the actors)."""
+        refs = self.call(LearnerRole.stop)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for rank, ref in enumerate(refs):
             if ref not in ready or _error(ref) is not None:
                 log.warning("learner rank %d did not stop cleanly", rank)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stops every rank (best effort for the dead or stuck ones), kills them, frees the bundles: through
-        `release`, which runtime/roles.py (the only code that stops actors) gave the group at its start."""
-        if self.release is None:
-            raise RuntimeError("a learner group not started by runtime/roles.py has no way to stop")
-        self.release(self, timeout_s)
 
 
 def _error(ref: Any) -> BaseException | None:
@@ -142,17 +144,6 @@ def _is_collective(e: BaseException) -> bool:
     return any(s in text for s in COLLECTIVE_SIGNS)
 
 
-def _brief(e: BaseException) -> str:
-    """One short line for a rank's error: Ray's death notice cut to its exit type, gloo's source location
-    dropped."""
-    cause = getattr(e, "cause", None) or e
-    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(cause).split()))
-    if isinstance(e, ray.exceptions.RayActorError):
-        kind = re.search(r"Worker exit type: (\w+)", text)
-        text = "its worker process exited" + (f", {kind.group(1)}" if kind else "")
-    return f"{type(cause).__name__}: {text}"[:240]
-
-
 # ---- start ----------------------------------------------------------------------------------------------
 def _rendezvous() -> tuple[str, int]:
     """This node's address (as Ray knows it) and a port free on it, for rank 0's TCP store."""
@@ -166,7 +157,7 @@ def _placement(cfg: Config, ranks: int, options: dict[str, Any]) -> PlacementGro
     bundle = {"CPU": max(float(options["num_cpus"]), 0.01), **options.get("resources", {})}
     if options["num_gpus"]:
         bundle["GPU"] = float(options["num_gpus"])
-    pg = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
+    pg: PlacementGroup = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -176,6 +167,23 @@ def _placement(cfg: Config, ranks: int, options: dict[str, Any]) -> PlacementGro
             f"within {PLACEMENT_TIMEOUT_S:.0f} s (cluster: {ray.cluster_resources()})"
         ) from None
     return pg
+
+
+def rank_placement(
+    cfg: Config, ranks: int, options: dict[str, Any]
+) -> tuple[PlacementGroup, list[dict[str, Any]], tuple[str, int]]:
+    """The ranks' placement group, each rank's actor options (its bundle: a node's ranks contiguous) and the
+    rendezvous address on rank 0's node; runtime/roles.py starts the actors with them."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from runtime.remote import run_remote
+
+    pg = _placement(cfg, ranks, options)
+    bundles = _rank_bundles(pg, float(options["num_gpus"] or 0))
+    strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b) for b in bundles]
+    address = run_remote(_rendezvous, {"num_cpus": 0, "scheduling_strategy": strategies[0]})
+    opts = {**options, "num_cpus": max(float(options["num_cpus"]), 0.01)}
+    return pg, [{**opts, "scheduling_strategy": s} for s in strategies], address
 
 
 def _rank_bundles(pg: PlacementGroup, gpus_per_rank: float) -> list[int]:
@@ -188,8 +196,3 @@ def _rank_bundles(pg: PlacementGroup, gpus_per_rank: float) -> list[int]:
     node_gpus = {n["NodeID"]: float(n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n.get("Alive")}
     bundle_nodes = [placed[b] for b in range(len(placed))]
     return [slot.bundle for slot in rank_slots(bundle_nodes, node_gpus, gpus_per_rank)]
-
-
-# The group's actors are started and stopped by runtime/roles.py (`start_learner_group`,
-# `stop_learner_group`): the only code that starts or stops actors. The placement (`_placement`,
-# `_rank_bundles`) stays here.

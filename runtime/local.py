@@ -1,4 +1,5 @@
-"""The same roles as `runtime/driver.py`, wired in one process (tests, debugging, experiments, profiling).
+"""The same roles as on Ray, built by the same builder (runtime/builder.py), wired in one process (tests,
+debugging, experiments, profiling).
 
     TreeSampler.sample_and_commit ─put_raw→ ReplayStore ─lease_raw→ BackupWorker.run_once ─put_credited→ store
     store ─take_batch(B)→ Learner.train_step ─publish→ InMemoryWeightChannel ─poll (between turns)→ samplers
@@ -16,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.backup_worker import BackupWorker
-from actors.sampler_setup import build_sampler
 from actors.tree_sampler import TreeSampler
 from configs.schema import Config, ConfigError
 from learner.learner import Learner
+from runtime.builder import make_backup, make_learner, make_sampler, make_store, store_options
 from storage.replay_store import ReplayStore
 from system.policy import PolicyBackend
 from system.weight_channel import InMemoryWeightChannel
@@ -61,22 +62,17 @@ def build_local_run(
     cfg: Config, model_path: str, backend_factory: Callable[[int], PolicyBackend] | None = None
 ) -> LocalRun:
     """`backend_factory(index) -> PolicyBackend` overrides the configured backend (tests use HF models)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if cfg.learner.ranks > 1:  # ranks are processes: only the Ray wiring starts them
         raise ConfigError(
             f"learner.ranks = {cfg.learner.ranks} is invalid: expected 1 when the roles run in one process "
             "(runtime/local.py); the sharded learner runs on Ray (treeopsd train)"
         )
-    store = ReplayStore(Path(cfg.store_dir), eta=cfg.admission_eta, batch_size=cfg.learner.batch_trees)
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    store = make_store(str(Path(cfg.store_dir)), **store_options(cfg))
     channel = InMemoryWeightChannel()
-    learner = Learner(model, cfg, store=store, weights=channel, tokenizer=tokenizer)
-    learner.start(resume=False)
+    learner = make_learner(cfg, model_path, store=store, weights=channel)
     sinks = [channel.sink(lag=cfg.run.sampler_lag) for _ in range(cfg.sampler.num_samplers)]
     samplers = [
-        build_sampler(
+        make_sampler(
             cfg,
             model_path,
             index=i,
@@ -86,4 +82,4 @@ def build_local_run(
         )
         for i, sink in enumerate(sinks)
     ]
-    return LocalRun(cfg, store, learner, BackupWorker(store, cfg.algo), samplers, channel, sinks)
+    return LocalRun(cfg, store, learner, make_backup(cfg, store), samplers, channel, sinks)

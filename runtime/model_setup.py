@@ -103,14 +103,18 @@ def models_dir_of(cfg: Config) -> Path:
 def tiny_model_dir(cfg: Config, steps: int | None = None, models_dir: str | Path | None = None) -> Path:
     """Cache folder of the warm-started tiny model for these settings (it may not exist yet), in
     `models_dir` (default: beside the run directory)."""
-    from actors.policy.warmstart import DEFAULT_DIMS, RECIPE_VERSION
+    from actors.policy.warmstart import DEFAULT_DIMS, DEFAULT_HOPS, RECIPE_VERSION
 
     settings: dict[str, Any] = {"recipe": RECIPE_VERSION, "steps": steps or cfg.model.warmstart_steps}
     settings["seed"] = cfg.run.seed
     if (dims := cfg.model.tiny.model_dump()) != DEFAULT_DIMS:
         settings["dims"] = dims  # the default model keeps its cache folder
+    if (hops := tuple(cfg.model.warmstart_hops)) != DEFAULT_HOPS:
+        settings["hops"] = list(hops)  # so does the default hop range
     if cfg.env.think_tokens > 0:
-        settings["think"] = True
+        from actors.policy.warmstart import THINK_STEPS
+
+        settings["think"] = THINK_STEPS
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     return Path(models_dir or Path(cfg.run.run_dir).parent / "models") / f"tiny-{digest}"
 
@@ -139,8 +143,16 @@ def warm_start_tiny(
     dims = cfg.model.tiny.model_dump()
     think = cfg.env.think_tokens > 0
     threads = cfg.model.threads
+    lo, hi = cfg.model.warmstart_hops
     report = warmstart(
-        out, steps=steps, seed=cfg.run.seed, progress=progress, threads=threads, dims=dims, think=think
+        out,
+        steps=steps,
+        seed=cfg.run.seed,
+        progress=progress,
+        threads=threads,
+        dims=dims,
+        think=think,
+        hops=(lo, hi),
     )
     return {**report, "model_dir": str(out)}
 

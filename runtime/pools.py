@@ -10,6 +10,7 @@ forever, so `check_pools(cfg)` rejects it before any actor starts:
     check_pools(cfg)        # ConfigError naming the role, the pool and the pools the cluster does provide
     topo = start_topology(cfg, model_path)
     actor_nodes()           # {"LearnerActor": [node_id], "SamplerActor": [node_id, node_id], ...}
+    gcs_restarts(actor_id)  # how often Ray restarted an actor (runtime/fault_tolerance.py counts them)
 
 Both need a connected Ray (`ray.init`). They check the nodes alive now: on an autoscaling cluster, start
 (or keep) one node of every pool before the run.
@@ -91,12 +92,26 @@ def actor_nodes(alive_only: bool = True) -> dict[str, list[str]]:
     the dashboard that `ray[default]` brings)."""
     from ray.util.state import list_actors
 
-    filters = [("state", "=", "ALIVE")] if alive_only else None
+    filters: list[tuple[str, str, str | bool | int | float]] | None = None
+    if alive_only:
+        filters = [("state", "=", "ALIVE")]
     actors = list_actors(
         address=ray.get_runtime_context().gcs_address, filters=filters, limit=10_000, timeout=30
     )
-    rows = [(a.class_name, a.node_id) for a in actors]
+    rows = [(a.class_name, str(a.node_id)) for a in actors]
     out: dict[str, list[str]] = {}
     for class_name, node_id in rows:
         out.setdefault(class_name, []).append(node_id)
     return out
+
+
+def gcs_restarts(actor_id: str) -> int | None:
+    """How often Ray restarted the actor `actor_id` (hex), from Ray's public state API; None where it cannot
+    say (no dashboard, an old Ray): the fault tolerance then counts only the restarts it saw."""
+    try:
+        from ray.util.state import get_actor
+
+        actor = get_actor(actor_id, timeout=10)
+        return None if actor is None else int(actor.num_restarts)
+    except Exception:  # any state-API failure only costs the count of restarts never seen
+        return None

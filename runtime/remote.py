@@ -1,34 +1,40 @@
-"""The one place `ray.remote` is applied: every role runs on Ray inside a `RoleHost`, an actor that builds
-the role object in its own process and forwards calls to it. The roles stay plain classes (`TreeSampler`,
-`BackupWorker`, `Learner`, `ReplayStore`, ...): nothing of Ray in them, and the same objects run in one
-process (runtime/local.py).
+"""The one place `ray.remote` is applied and an actor's method called (`.remote`): every role runs on Ray in
+a `RoleHost`, an actor that builds the role object in its own process and forwards to it the methods of the
+role's Protocol (system/roles.py) and nothing else; the handle the runtime holds is a `Handle[Protocol]`,
+whose calls name a Protocol method, so a call the Protocol does not declare cannot be written (mypy) nor made
+(the host has no such method).
 
-    SamplerActor = host_class("SamplerActor", TreeSampler, build_sampler, FaultAwareApply)
-    handle = start_actor(SamplerActor, RoleLog(run_dir, "sampler", 2), {"num_cpus": 1}, *build_args)
-    ray.get(handle.sample_and_commit.remote(4))        # TreeSampler.sample_and_commit, in the actor
-    ray.get(handle.pid.remote())                       # the host's own: pid, actor_id
+    SamplerActor = host_class("SamplerActor", SamplerRole, sampler_on_ray)       # runtime/builder.py
+    handle = start_actor(SamplerActor, SamplerRole, RoleLog(run_dir, "sampler", 2), {"num_cpus": 1}, *args)
+    ray.get(handle.call(SamplerRole.sample_and_commit, 4))   # TreeSampler.sample_and_commit, in the actor
+    ray.get(handle.host(HostRole.pid))                       # the host's own: pid, actor_id, ping
 
 What the host adds, written once for every role: the role's log file (RUN_DIR/logs/<role>-<i>.log, set up
-before the role is built, so its construction logs there too), the process id and Ray's actor id. The host
-class is named after the role (`SamplerActor`, ...): Ray's listings and process titles (`ray::SamplerActor`)
-show it, and the fault drills find the role's processes by it (faults/processes.py).
+before the role is built, so its construction logs there too), the process id, Ray's actor id, and what
+RLlib's FaultTolerantActorManager asks of a sampler (`ping`, `apply`: an exception reaches the caller, the
+process lives on). The host class is named after the role (`SamplerActor`, ...): Ray's listings and process
+titles show it, and the fault drills find the role's processes by it (faults/processes.py).
 
-Why a holder and not a subclass: Ray makes any class with an `async def` method an asyncio actor, whose
-sync methods then run on a live event loop; a host forwards through sync methods only, so a role may
-have coroutines of its own. And a role's constructor arguments stay the role's: the host's are the log and
-the build arguments.
+Why a holder and not a subclass: Ray makes any class with an `async def` method an asyncio actor, whose sync
+methods then run on a live event loop; a host forwards through sync methods only.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 
 from storage.role_log import setup_role_log
+from system.roles import HostRole
+
+R = TypeVar("R")
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,38 @@ class RoleLog:
     index: int = 0
 
 
+def declared(protocol: type, method: Callable[..., Any]) -> str:
+    """The name of `method` when it is `protocol`'s own (declared there or in a Protocol it extends)."""
+    name = getattr(method, "__name__", "")
+    if name.startswith("_") or getattr(protocol, name, None) is not method:
+        raise TypeError(f"{name or repr(method)} is not a method of {protocol.__name__}")
+    return name
+
+
+def protocol_methods(protocol: type) -> list[str]:
+    """The public methods `protocol` declares, its Protocol bases' included."""
+    return [n for n, f in inspect.getmembers(protocol, inspect.isfunction) if not n.startswith("_")]
+
+
+class Handle(Generic[R]):
+    """A Ray actor handle typed by its role's Protocol `R`: `call(R.method, *args)`, the only way to call."""
+
+    def __init__(self, actor: Any, role: type[R]) -> None:
+        self.actor, self.role = actor, role
+
+    def call(
+        self, method: Callable[Concatenate[R, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> ray.ObjectRef[T]:
+        return getattr(self.actor, declared(self.role, method)).remote(*args, **kwargs)  # type: ignore[no-any-return]
+
+    def host(
+        self, method: Callable[Concatenate[HostRole, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> ray.ObjectRef[T]:
+        return getattr(self.actor, declared(HostRole, method)).remote(*args, **kwargs)  # type: ignore[no-any-return]
+
+
 class RoleHost:
-    """A role object in a Ray actor; `host_class` makes one class per role with its methods forwarded."""
+    """A role object in a Ray actor; `host_class` makes one class per role with its Protocol forwarded."""
 
     build: Callable[..., Any]
 
@@ -54,8 +90,17 @@ class RoleHost:
         return os.getpid()
 
     def actor_id(self) -> str:
-        """This actor's id (hex), for Ray's public state API (restart counts: runtime/supervision.py)."""
+        """This actor's id (hex), for Ray's public state API (restart counts: runtime/fault_tolerance.py)."""
         return str(ray.get_runtime_context().get_actor_id())
+
+    def ping(self) -> str:
+        """RLlib's health probe (FaultTolerantActorManager.probe_unhealthy_actors)."""
+        return "pong"
+
+    def apply(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """How RLlib's manager calls a method by name: an exception reaches the caller (RLlib's own
+        FaultAwareApply exits the process), and the decision is the runtime's (runtime/decisions.py)."""
+        return func(self, *args, **kwargs)
 
 
 def _forward(name: str) -> Callable[..., Any]:
@@ -66,33 +111,35 @@ def _forward(name: str) -> Callable[..., Any]:
     return method
 
 
-def host_class(name: str, role: type, build: Callable[..., Any], *mixins: type) -> type[RoleHost]:
+def host_class(name: str, protocol: type, build: Callable[..., Any]) -> type[RoleHost]:
     """A `RoleHost` class called `name` whose actors build their role with `build(*args, **kwargs)` and
-    forward every public method of `role` to it (`mixins`: host-side behaviour, e.g. RLlib's
-    FaultAwareApply for the sampler manager's health probes)."""
-    bases = (*mixins, RoleHost)
-    taken = {n for base in bases for n in dir(base)}
-    methods = {
-        n: _forward(n)
-        for n in dir(role)
-        if not n.startswith("_") and n not in taken and callable(getattr(role, n, None))
-    }
+    forward to it exactly the methods `protocol` declares."""
+    taken = set(dir(RoleHost))
+    clash = taken & set(protocol_methods(protocol))
+    if clash:
+        raise TypeError(f"{protocol.__name__} declares what every host answers itself: {sorted(clash)}")
+    methods = {n: _forward(n) for n in protocol_methods(protocol)}
     namespace = {
         "build": staticmethod(build),
         "__module__": build.__module__,
         "__qualname__": name,
         **methods,
     }
-    return type(name, bases, namespace)
+    return type(name, (RoleHost,), namespace)
 
 
 def start_actor(
-    host: type[RoleHost], log: RoleLog | None, options: dict[str, Any], *args: Any, **kwargs: Any
-) -> Any:
-    """A new actor of `host` with Ray `options` (resources, restarts, name, scheduling): its handle."""
-    return ray.remote(host).options(**options).remote(log, *args, **kwargs)
+    host: type[RoleHost],
+    role: type[R],
+    log: RoleLog | None,
+    options: dict[str, Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Handle[R]:
+    """A new actor of `host` with Ray `options` (resources, restarts, name, scheduling): its typed handle."""
+    return Handle(ray.remote(host).options(**options).remote(log, *args, **kwargs), role)
 
 
-def run_remote(function: Callable[..., Any], options: dict[str, Any], *args: Any) -> Any:
+def run_remote(function: Callable[..., T], options: dict[str, Any], *args: Any) -> T:
     """`function(*args)` as a Ray task with `options`; returns its result."""
-    return ray.get(ray.remote(function).options(**options).remote(*args))
+    return ray.get(ray.remote(function).options(**options).remote(*args))  # type: ignore[no-any-return]

@@ -30,6 +30,7 @@ from actors.envs.retrieval_server import RetrievalServer, resolve_token
 from configs.schema import Config, ConfigError
 from runtime.remote import host_class
 from storage.durable import write_atomic
+from system.roles import RetrievalRole
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class RetrievalService:
         self.server.stop()
 
 
-RetrievalActor = host_class("RetrievalActor", RetrievalService, RetrievalService)  # runtime/remote.py
+RetrievalActor = host_class("RetrievalActor", RetrievalRole, RetrievalService)  # runtime/remote.py
 
 
 def service_corpus(cfg: Config) -> tuple[Path, Path | None]:

@@ -2,7 +2,7 @@
 a second one stops at once.
 
     with GracefulStop() as stop:           # installed after ray.init (Ray's own SIGTERM handler is replaced)
-        driver = Driver(cfg, topo, sink, bar, stop)     # runtime/ray_run.py
+        driver = Driver(cfg, topo, sink, bar, stop)    # runtime/ray_run.py
         driver.run(steps)                  # returns after the tick in which the signal came
         driver.finish(summary)             # the in-flight learner step ends, its metrics logged; final
         ...stop_topology                   # checkpoint; every role stopped

@@ -32,7 +32,6 @@ from system.tree import NodeCredit, RolloutTree, TreeValidationError, TurnNode
 
 SCHEMA_VERSION = "1"
 VERSION_KEY = b"treeopsd.schema_version"
-LIST_COLUMNS = ("tokens", "loss_mask", "behavior_logprobs", "obs_tokens")
 CREDIT_COLUMNS = ("z", "V", "q")
 
 SCHEMA = pa.schema(

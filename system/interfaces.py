@@ -1,7 +1,7 @@
 """The small interfaces the roles talk through (Acme-style: a few methods each), and which objects meet them.
 
-The same role classes run in one process (`runtime/local.py`, tests) or as Ray actors
-(`runtime/driver.py`); only the objects behind these interfaces differ:
+The same role classes, built by one builder (`runtime/builder.py`), run in one process (`runtime/local.py`,
+tests) or as Ray actors (`runtime/roles.py` starts them); only the objects behind these interfaces differ:
 
     interface     in one process                                 on Ray
     StoreClient   storage.replay_store.ReplayStore               storage.replay_store_actor.RemoteStore

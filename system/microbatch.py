@@ -12,6 +12,11 @@ child fits is owned by its first split child's piece instead (which forwards it 
 for the budget with its context makes a piece over budget (with the chain of ancestors merged into it). The
 prefix a piece recomputes is `context` tokens (`recomputed_tokens`). Pieces are then packed into
 micro-batches first-fit-decreasing by their tokens.
+
+A restart (system/tree.py: a compaction's new context) always starts pieces of its own, with no ancestor as
+context, since its turns see none. A root-to-leaf path that crosses one is then trained in parts, one per
+context (learner/packing.py); with a token budget they may land in different micro-batches, where GSPO's
+sequence-level ratio is taken per part.
 """
 
 from __future__ import annotations
@@ -38,25 +43,36 @@ def node_tokens(tree: RolloutTree) -> list[int]:
     return [len(n.tokens) + len(n.obs_tokens) for n in tree.nodes]
 
 
+def _kids(tree: RolloutTree, node: int) -> tuple[int, ...]:
+    """`node`'s children in its own context: a restart child opens another (system/tree.py)."""
+    kids = tree.children[node]
+    return tuple(c for c in kids if c not in tree.restarts) if tree.restarts else kids
+
+
 def _subtree(tree: RolloutTree, node: int) -> list[int]:
     out, stack = [], [node]
     while stack:
         i = stack.pop()
         out.append(i)
-        stack.extend(reversed(tree.children[i]))
+        stack.extend(reversed(_kids(tree, i)))
     return out
 
 
 def split_tree(index: int, tree: RolloutTree, budget: int) -> list[Piece]:
-    """The pieces of one tree under `budget` tokens (budget ≤ 0: the whole tree); see the module docstring."""
+    """The pieces of one tree under `budget` tokens (budget ≤ 0: the whole tree); see the module docstring.
+    A restart's subtree is always a piece (or pieces) of its own, without the ancestors it does not see."""
     sizes = node_tokens(tree)
     sub = [0] * len(sizes)
     for i in reversed(tree.topological_order):
-        sub[int(i)] = sizes[int(i)] + sum(sub[c] for c in tree.children[int(i)])
-    if budget <= 0 or sub[ROOT] <= budget:
+        sub[int(i)] = sizes[int(i)] + sum(sub[c] for c in _kids(tree, int(i)))
+    if not tree.restarts and (budget <= 0 or sub[ROOT] <= budget):
         return [_piece(index, tree, list(map(int, tree.topological_order)), sizes, ())]
     owned_sets: list[tuple[list[int], tuple[int, ...]]] = []
-    _split(tree, ROOT, (), sizes, sub, budget, owned_sets)
+    for start in (int(i) for i in tree.topological_order if i == ROOT or i in tree.restarts):
+        if budget <= 0 or sub[start] <= budget:
+            owned_sets.append((_subtree(tree, start), ()))
+        else:
+            _split(tree, start, (), sizes, sub, budget, owned_sets)
     return [_piece(index, tree, owned, sizes, path) for owned, path in owned_sets]
 
 
@@ -68,7 +84,7 @@ def _split(tree, node, path, sizes, sub, budget, out) -> int:  # type: ignore[no
         out.append((_subtree(tree, node), path))
         return len(out) - 1
     owned, used, first_split = [node], context + sizes[node], None
-    for child in tree.children[node]:
+    for child in _kids(tree, node):
         if used + sub[child] <= budget:
             owned += _subtree(tree, child)
             used += sub[child]
@@ -125,8 +141,10 @@ def loss_token_counts(tree: RolloutTree) -> list[int]:
     for i in map(int, tree.topological_order):
         n = tree.nodes[i]
         par = n.parent
-        before[i] = (
-            0 if par < 0 else before[par] + len(tree.nodes[par].tokens) + len(tree.nodes[par].obs_tokens)
+        before[i] = (  # a restart's turns see its context only (system/tree.py)
+            0
+            if par < 0 or i in tree.restarts
+            else before[par] + len(tree.nodes[par].tokens) + len(tree.nodes[par].obs_tokens)
         )
         if i == ROOT:
             continue

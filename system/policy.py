@@ -1,12 +1,14 @@
-"""The policy-backend interface the sampler talks through (vLLM on GPU/CPU, HF transformers for tiny models).
+"""The policy-backend interfaces the sampler talks through (vLLM on GPU/CPU, HF transformers for tiny models):
+`PolicyBackend` (batches of turns) and `TurnServer` (one turn per call, many in flight: the asynchronous
+agent loop's view; vLLM's backend is one natively, any PolicyBackend through actors/turn_server.py).
 
 Token-in/token-out: a request carries the full context as token ids and gets back the sampled token ids and
-their log-probs under the sampling distribution (temperature 1, top-p 1 by default, so the log-probs are the
-behavior policy's). Nothing here re-tokenizes text.
+their log-probs under the sampling distribution `SamplingConfig.of(cfg.sampler)` sets (the log-probs are the
+behavior policy's). Nothing here re-tokenizes text. New weights are loaded in place between turns
+(`load_weights`; `apply_weights` on a TurnServer), only by actors/weight_gate.py:load_version.
 
 Usage::
 
-    backend.load_weights(named_tensors, version=3)
     [res] = backend.sample([SampleRequest(context=ids, max_new_tokens=64, stop_token_ids=(eos,))])
     res.token_ids, res.logprobs, res.finish_reason, backend.version
 """

@@ -1,20 +1,18 @@
-"""The roles' contracts: per role, every method the driver, its supervisor or another role calls on it.
+"""The roles' contracts: per role, every method the runtime or another role calls on it, declared once.
 
-On Ray each role runs inside a host actor that forwards every public method unchanged (runtime/remote.py),
-so a call by name (`handle.run_once.remote(64, 0.2)`, `group.call("train_step", 0.05)`,
-`manager.foreach_actor_async("sample_and_commit", …)`, `RemoteStore._call("put_raw", …)`) reaches the
-role's method of that name. Nothing checks such a call before it runs: these Protocols write the contract
-down, and `tests/unit/test_role_protocols.py` holds both sides to it — each role class has every method
-here with a signature that takes these calls, and every method name the runtime sends to a role is
-declared in that role's Protocol.
+On Ray each role runs inside a host actor that forwards exactly the methods of its Protocol here
+(runtime/remote.py:host_class), and the runtime holds the actor as a `Handle[Protocol]` whose only call is
+`handle.call(Protocol.method, *args)`: a method no Protocol declares cannot be written (mypy strict checks
+runtime/) nor reached (the host has no such method). `tests/unit/test_role_protocols.py` holds the role
+classes to their Protocols' signatures and checks that no code calls an actor any other way.
 
     role          class (the object behind the handle)        called by
-    SamplerRole   actors.tree_sampler.TreeSampler             the driver, external trees (actors/external)
-    StoreRole     storage.replay_store.ReplayStore            the driver; RemoteStore (the other roles)
-    BackupRole    actors.backup_worker.BackupWorker           the driver, its supervisor
-    LearnerRole   learner.learner.Learner (rank 0 and others) the driver, LearnerGroup, its supervisor
-    RetrievalRole runtime.retrieval_actor.RetrievalService    the runtime's start and stop
-    HostRole      runtime.remote.RoleHost (every role's host) the supervisor: pids and Ray's actor ids
+    SamplerRole   actors.tree_sampler.TreeSampler             Roles (the sampler pool), external trees
+    StoreRole     storage.replay_store.ReplayStore            the driver, the fault tolerance; RemoteStore
+    BackupRole    actors.backup_worker.BackupWorker           the driver
+    LearnerRole   learner.learner.Learner (rank 0 and others) the driver, LearnerGroup, the fault tolerance
+    RetrievalRole runtime.retrieval_actor.RetrievalService    Roles (start, stop), the fault tolerance
+    HostRole      runtime.remote.RoleHost (every role's host) the fault tolerance, RLlib's manager
 
 The policy backends' contracts are `system.policy.PolicyBackend` and `TurnServer`. Types that live above
 this layer (trees, tasks, turn servers of the actors) appear as `Any`: system/ imports nothing above it.
@@ -64,6 +62,8 @@ class StoreRole(StoreClient, Protocol):
     def take_batch_ipc(self, n: int) -> bytes | None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def tree_ids(self, state: str | None = None) -> list[str]: ...
 
     def close(self) -> None: ...
 
@@ -115,6 +115,8 @@ class HostRole(Protocol):
     def pid(self) -> int: ...
 
     def actor_id(self) -> str: ...
+
+    def ping(self) -> str: ...
 
 
 @runtime_checkable

@@ -37,6 +37,8 @@ def batch_metrics(trees: Sequence[RolloutTree], learner_version: int) -> dict[st
         "tree/leaves": float(np.mean([t.num_leaves for t in trees])),
         "tree/depth": float(max(int(n.depth) for t in trees for n in t.nodes)),
         "tree/tokens": float(sum(t.num_tokens for t in trees)),
+        # what the samplers generated for the batch (each stored turn once): the budget actually spent
+        "tree/sampled_tokens": float(sum(int(n.loss_mask.sum()) for t in trees for n in t.nodes)),
         "tree/truncated_frac": sum(cut_turns(t) for t in trees) / max(turns, 1),  # of the batch's turns
     }
 

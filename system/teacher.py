@@ -112,3 +112,20 @@ def teacher_tau(k: int, rho: float, tau_mode: str, k_nominal: int | None) -> flo
         tau = global_tau(k_nominal, rho)  # validates k_nominal even when this tree has K < 2
         return None if k < 2 else tau
     return None if k < 2 else calibrate_tau(k, rho)
+
+
+def student_kl(q: npt.ArrayLike, s: npt.ArrayLike) -> FloatArray:
+    """KL(Bern(q) ‖ Bern(σ(s))) per turn, the summand of the TreeOPSD loss (docs/algorithm.md §5), in numpy:
+    q log q + (1−q) log(1−q) − q logσ(s) − (1−q) logσ(−s), with 0·log 0 = 0 and logσ(x) = −log(1 + e^−x)
+    written to stay finite for large |s|; learner/losses.py computes the same in torch."""
+    qa = np.asarray(q, dtype=np.float64)
+    sa = np.asarray(s, dtype=np.float64)
+
+    def xlogx(x: FloatArray) -> FloatArray:
+        return np.where(x > 0, x * np.log(np.where(x > 0, x, 1.0)), 0.0)
+
+    def logsigmoid(x: FloatArray) -> FloatArray:
+        return -np.logaddexp(0.0, -x)
+
+    kl: FloatArray = xlogx(qa) + xlogx(1 - qa) - qa * logsigmoid(sa) - (1 - qa) * logsigmoid(-sa)
+    return np.maximum(kl, 0.0)

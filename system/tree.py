@@ -8,6 +8,11 @@ Layout (docs/algorithm.md §1, §2.3, §2.4)::
                             obs_tokens = the environment tokens after the turn (masked),
                             policy_version = the weights that sampled it, reward on leaves only.
 
+A *restart* (an external agent's compaction, a summary or sub-agent call: docs/external-agents.md) is a node
+without turn tokens whose obs_tokens begin a new context: the turns under it see those tokens and what
+follows them, not its ancestors'. Restarts are listed in the meta (`RESTARTS`, a JSON list of node ids), so a
+tree without one is stored, packed and trained as before; the credit backup sees an ordinary tree.
+
 Node ids are 0..n-1 (the sampler assigns them by construction, parents before children, but the validator
 accepts any acyclic order). A leaf is a turn without children; K = number of leaves. The owner sequence of a
 turn (the single packed sequence that trains it) is the leaf reached by always following the first-created
@@ -20,6 +25,7 @@ turns of a step are affected (`check_nonfinite_fraction`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -27,6 +33,7 @@ from functools import cached_property
 import numpy as np
 
 ROOT = 0
+RESTARTS = "restarts"  # meta key: the restart nodes (module docstring), a JSON list of node ids
 
 
 class TreeValidationError(ValueError):
@@ -44,10 +51,6 @@ class TurnNode:
     obs_tokens: np.ndarray  # int32 [O]
     policy_version: int = 0
     reward: float = float("nan")  # finite on leaves, NaN elsewhere
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
 
     def equals(self, other: TurnNode) -> bool:
         """Exact equality, NaN-aware (log-probs of masked tokens may be NaN)."""
@@ -196,6 +199,22 @@ class RolloutTree:
             node_id = self.nodes[node_id].parent
         return out[::-1]
 
+    @cached_property
+    def restarts(self) -> frozenset[int]:
+        """The restart nodes (module docstring); empty for a tree without any."""
+        raw = self.meta.get(RESTARTS)
+        return frozenset(int(i) for i in json.loads(raw)) if raw else frozenset()
+
+    def context_runs(self, node_id: int) -> list[list[int]]:
+        """[ROOT, *path(node_id)] cut before each restart: the nodes of each context the path runs through,
+        each run starting at the root or a restart node (one run for a tree without restarts)."""
+        runs = [[ROOT]]
+        for i in self.path(node_id):
+            if i in self.restarts:
+                runs.append([])
+            runs[-1].append(i)
+        return runs
+
     def turn_parents(self) -> np.ndarray:
         """Parent array over turns only (index = node_id − 1; −1 = child of the prompt) for system.credit."""
         return np.array([n.parent - 1 for n in self.nodes[1:]], dtype=np.int64)
@@ -260,6 +279,24 @@ def validate_tree(tree: RolloutTree) -> None:
         raise TreeValidationError(f"{where}: the root must have depth 0, no turn tokens and no reward")
     for n in nodes[1:]:
         _validate_turn(n, nodes[n.parent].depth, bool(tree.children[n.node_id]), where)
+    _check_restarts(tree, where)
+
+
+def _check_restarts(tree: RolloutTree, where: str) -> None:
+    """Restart nodes are turns without tokens that open a context (obs_tokens) for the turns under them."""
+    try:
+        listed = tree.restarts
+    except (ValueError, TypeError) as exc:
+        why = f"meta {RESTARTS!r} is not a JSON list of node ids ({exc})"
+        raise TreeValidationError(f"{where}: {why}") from None
+    for i in sorted(listed):
+        if not 0 < i < len(tree.nodes):
+            raise TreeValidationError(f"{where}: restart {i} is not a turn node")
+        n = tree.nodes[i]
+        if len(n.tokens) or not len(n.obs_tokens) or not tree.children[i]:
+            raise TreeValidationError(
+                f"{where} node {i}: a restart has no turn tokens, a context (obs tokens) and a turn under it"
+            )
 
 
 def _check_acyclic(tree: RolloutTree, where: str) -> None:

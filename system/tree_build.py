@@ -10,11 +10,12 @@ state after turn a_k and its observation o_k, so a branch from k hangs under a_k
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from system.tree import ROOT, RolloutTree, TurnNode, make_node
+from system.tree import RESTARTS, ROOT, RolloutTree, TurnNode, make_node
 
 
 def choose_anchors(num_turns: int, n: int, rng: np.random.Generator) -> list[int]:
@@ -58,6 +59,7 @@ class TreeBuilder:
     ) -> None:
         self.tree_id, self.prompt_id, self.meta = tree_id, prompt_id, dict(meta or {})
         self._nodes: list[TurnNode] = [make_node(ROOT, -1, 0, obs_tokens=prompt_tokens)]
+        self._restart_nodes: list[int] = []
 
     def add_turn(
         self,
@@ -74,6 +76,19 @@ class TreeBuilder:
             make_node(node_id, parent, depth, tokens, loss_mask, logprobs, obs_tokens, policy_version)
         )
         return node_id
+
+    def add_restart(self, parent: int, context: Sequence[int], policy_version: int = 0) -> int:
+        """A restart under `parent` (system/tree.py): the turns added under it see `context` (e.g. a compacted
+        conversation's prompt ids) and not the path above it."""
+        node_id = self.add_turn(parent, [], [], obs_tokens=context, policy_version=policy_version)
+        self._restart_nodes.append(node_id)
+        return node_id
+
+    def children(self, node_id: int) -> list[int]:
+        return [n.node_id for n in self._nodes if n.parent == node_id]
+
+    def is_restart(self, node_id: int) -> bool:
+        return node_id in self._restart_nodes
 
     def set_observation(self, node_id: int, obs_tokens: Sequence[int]) -> None:
         n = self._nodes[node_id]
@@ -102,14 +117,44 @@ class TreeBuilder:
             reward,
         )
 
+    def remove(self, node_ids: Iterable[int]) -> dict[int, int]:
+        """Removes these turns and every turn under them (a dropped branch) and renumbers the rest in order;
+        returns old id -> new id of the kept nodes. Only between samplings: ids held elsewhere go stale."""
+        gone = set(node_ids)
+        if ROOT in gone:
+            raise ValueError(f"tree {self.tree_id!r}: the root cannot be removed")
+        for n in self._nodes[1:]:  # a child's id is above its parent's: one pass finds every descendant
+            if n.parent in gone:
+                gone.add(n.node_id)
+        kept = [n for n in self._nodes if n.node_id not in gone]
+        remap = {n.node_id: i for i, n in enumerate(kept)}
+        self._nodes = [
+            make_node(
+                remap[n.node_id],
+                remap.get(n.parent, -1),
+                n.depth,
+                n.tokens,
+                n.loss_mask,
+                n.behavior_logprobs,
+                n.obs_tokens,
+                n.policy_version,
+                None if np.isnan(n.reward) else float(n.reward),
+            )
+            for n in kept
+        ]
+        return remap
+
     def node(self, node_id: int) -> TurnNode:
         return self._nodes[node_id]
 
     def context_tokens(self, node_id: int) -> list[int]:
-        """Prompt + every turn and observation on the path to `node_id` (inclusive): a branch's prefix."""
+        """Prompt + every turn and observation on the path to `node_id` (inclusive): a branch's prefix. From
+        the nearest restart on that path, if any (its context, then what follows)."""
         path = []
         while node_id != -1:
             path.append(self._nodes[node_id])
+            if node_id in self._restart_nodes:
+                break
             node_id = self._nodes[node_id].parent
         out: list[int] = []
         for n in reversed(path):
@@ -118,4 +163,6 @@ class TreeBuilder:
         return out
 
     def build(self) -> RolloutTree:
+        if self._restart_nodes:
+            self.meta[RESTARTS] = json.dumps(sorted(self._restart_nodes))
         return RolloutTree.build(self.tree_id, self._nodes, self.prompt_id, self.meta)

@@ -3,6 +3,7 @@ synthetic KB and its qwen3 protocol, and a TreeSampler over a harness through a 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 
@@ -69,16 +70,29 @@ class ToolScript(TextBackend):
 
 
 def external_sampler(
-    backend, env, protocol, harness, shape=(2, 1), token=None, store=None, tasks=(), **limits
+    backend,
+    env,
+    protocol,
+    harness,
+    shape=(2, 1),
+    token=None,
+    store=None,
+    tasks=(),
+    side_calls="train",
+    **limits,
 ) -> TreeSampler:
     """A TreeSampler whose trees come from `harness` through a fresh loopback endpoint (`store` and `tasks`
-    for `sample_and_commit`; `timeout_s`, `reward_timeout_s`, `max_failures`: the harness's limits)."""
+    for `sample_and_commit`; `timeout_s`, `reward_timeout_s`, `max_failures`: the harness's limits;
+    `tool_change`, `agent_wait_s`: env.tool_change, env.agent_wait_s)."""
     harness_limits = HarnessLimits(
         limits.pop("timeout_s", 30.0), limits.pop("reward_timeout_s", 2.0), limits.pop("max_failures", 32)
     )
+    tool_change, agent_wait_s = limits.pop("tool_change", "refuse"), limits.pop("agent_wait_s", 10.0)
     loop_limits = LoopLimits(**{"max_turns": 4, "max_turn_tokens": 64, "token_budget": 1200, **limits})
+    endpoint = AgentEndpoint(token=token, agent_wait_s=agent_wait_s)
+    bounds = SamplingBounds(1.0, 1.0)
     ext = ExternalTrees(
-        harness, AgentEndpoint(token=token), Templates(protocol), SamplingBounds(1.0, 1.0), harness_limits
+        harness, endpoint, Templates(protocol), bounds, harness_limits, None, side_calls, tool_change
     )
     M, N = shape
     return TreeSampler(
@@ -86,18 +100,22 @@ def external_sampler(
     )
 
 
-def worst_rescore_gap(trees, score) -> float:
-    """The largest |re-scored − stored| log-prob over every sampled token of `trees`: each turn re-scored by
-    `score(context, start)` after its exact stored context (prompt, earlier turns, observations)."""
+def worst_rescore_gap(trees, score, version=None) -> float:
+    """The largest |re-scored − stored| log-prob over every sampled token of `trees` (of the turns `version`
+    sampled, if given): each turn re-scored by `score(context, start)` after its exact stored context
+    (prompt, earlier turns, observations; from the nearest restart: a compaction's context)."""
     worst = 0.0
     for t in trees:
         for leaf in t.leaves:
-            ids = t.prompt_tokens.tolist()
-            for i in t.path(leaf):
-                n = t.nodes[i]
-                start, ids = len(ids), [*ids, *n.tokens.tolist()]
-                worst = max(worst, float(np.abs(np.array(score(ids, start)) - n.behavior_logprobs).max()))
-                ids += n.obs_tokens.tolist()
+            for run in t.context_runs(int(leaf)):
+                ids = []
+                for i in run:
+                    n = t.nodes[i]
+                    start, ids = len(ids), [*ids, *n.tokens.tolist()]
+                    if len(n.tokens) and (version is None or n.policy_version == version):
+                        gap = np.abs(np.array(score(ids, start)) - n.behavior_logprobs).max()
+                        worst = max(worst, float(gap))
+                    ids += n.obs_tokens.tolist()
     return worst
 
 
@@ -130,3 +148,104 @@ def counted_harness(task, base_url, session):
     posts = [httpx.post(f"{base_url}/reward", json={"reward": 1.0}, headers=key) for _ in range(2)]
     assert [p.status_code for p in posts] == [200, 409]
     return None
+
+
+def ending_turns(model, eos: int, bias: float = 8.0, gain: float = 0.75):
+    """The tiny random model made to end its turns: P(end of turn) ≈ 0.25 at every position, whatever the
+    context (a random model otherwise writes until `env.max_turn_tokens` cuts it, which ends its
+    conversation). The last layer's attention adds the constant `bias` to residual dimension 0 (a value bias
+    passes through attention unchanged: its weights sum to 1), which no other weight writes or reads but the
+    end-of-turn token's (tied) embedding, at `gain`."""
+    import torch
+
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight  # tied with lm_head
+        emb[:, 0] = 0.0
+        emb[eos, 0] = gain
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        attn = model.model.layers[-1].self_attn
+        attn.v_proj.weight[0, :] = 0.0
+        attn.v_proj.bias[0] = bias
+        attn.o_proj.weight[0, 0] = 1.0  # query head 0 reads value dimension 0 of key-value head 0
+    return model
+
+
+def ending_model_dir(folder) -> str:
+    """A tiny model folder (the synthetic KB's tokenizer) whose turns end (`ending_turns`)."""
+    from actors.policy.tiny_model import build_tiny_model, save_pretrained
+
+    tok = build_tokenizer(tokenizer_texts(SyntheticKBEnv(), n_questions=300, n_oracle=30))
+    model = ending_turns(build_tiny_model(tok, seed=0), tok.convert_tokens_to_ids(tok.eos_token))
+    save_pretrained(folder, model, tok)
+    return str(folder)
+
+
+SUMMARY_PROMPT = "Summarise the conversation below for whoever continues it."
+
+
+def long_context_harness(task, base_url, session):
+    """An agent with a long context, deterministic given the model's replies (any model: no tool needed).
+    Main turn 1; a sub-agent (a fresh conversation) whose reply is fed back to the main conversation in
+    the next request; main turn 2; a summary of the transcript; the history compacted to the question and
+    that summary, and 2 more turns there; then a judge (the same prompt in every episode: a side tree of
+    many leaves) and a title of the transcript (its own prompt: a side tree of one leaf). A cut turn ends
+    its conversation: before the compaction the harness compacts at once, after it the episode is over.
+    The reward: whether the last reply's text has an even length (a function of the replies)."""
+    import openai
+
+    c = openai.OpenAI(base_url=base_url, api_key=task["api_key"], max_retries=0)
+    ask = functools.partial(_reply, c)
+    system = {"role": "system", "content": task["system_prompt"]}
+    msgs = [system, {"role": "user", "content": task["question"]}]
+    main = ask(msgs, task["tools"])
+    if main is not None:
+        found = ask([{"role": "system", "content": "You are a research assistant."}, msgs[1]])
+        msgs += [main, *_answers(main, f"Go on. A sub-agent found:\n{_text(found)}")]
+        main = ask(msgs, task["tools"])
+        msgs += [main] if main is not None else []
+    summary = ask(
+        [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": _transcript(msgs)}]
+    )
+    msgs = [system, {"role": "user", "content": f"{task['question']}\nNotes:\n{_text(summary)}"}]
+    last = None
+    for _ in range(2):
+        last = ask(msgs, task["tools"])
+        if last is None:
+            break
+        msgs += [last, *_answers(last, "Go on.")]
+    ask([{"role": "user", "content": f"Judge the answer to: {task['question']}"}])
+    ask([{"role": "user", "content": f"A title for: {_transcript(msgs)}"}])
+    return float(len(_text(last)) % 2 == 0)
+
+
+def _reply(client, messages, tools=None):
+    """The reply message as it must be sent back, or None when the turn was cut (or refused: a limit)."""
+    import openai
+
+    try:
+        r = client.chat.completions.create(
+            model="policy", messages=messages, **({"tools": tools} if tools else {})
+        )
+    except openai.BadRequestError:
+        return None
+    choice = r.choices[0]
+    return None if choice.finish_reason == "length" else choice.message.model_dump(exclude_none=True)
+
+
+def _text(message) -> str:
+    return (message or {}).get("content") or ""
+
+
+def _answers(message, then: str) -> list:
+    """Tool messages for the calls of `message` (the model may write some), then a user message."""
+    calls = message.get("tool_calls") or []
+    return [
+        *({"role": "tool", "tool_call_id": t["id"], "content": "no result"} for t in calls),
+        {"role": "user", "content": then},
+    ]
+
+
+def _transcript(messages) -> str:
+    return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages[1:])

@@ -7,6 +7,7 @@ import torch
 from learner_fixtures import make_trees, on_policy
 
 from configs.schema import Config, parse_config, to_dict
+from system.roles import LearnerRole
 
 B = 4  # trees per batch
 
@@ -52,7 +53,7 @@ def start_group(cfg: Config, model_dir, store, resume=False):
 
 
 def train(group, timeout_s=300.0) -> dict[str, float]:
-    out = group.wait(group.call("train_step", 0.05), timeout_s=timeout_s)
+    out = group.wait(group.call(LearnerRole.train_step, 0.05), timeout_s=timeout_s)
     assert out is not None, "the store held no batch"
     return out
 

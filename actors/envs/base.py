@@ -19,7 +19,9 @@ Usage by an agent loop (one episode)::
 Determinism: tools are pure functions of their call, so ``step`` depends only on ``(task, action_text)``
 (and the history, which our envs accept but do not need). Branching a rollout tree from an anchor turn
 therefore needs only that prefix's calls; nothing has to be copied. ``snapshot``/``restore`` exist for
-symmetry with stateful envs and are no-ops here.
+symmetry with stateful envs and are no-ops here. An outside, stateful environment (``env.name = gym``,
+actors/envs/gym) offers no snapshot either: its adapter keeps live instances keyed by the history and
+rebuilds a branch's state by replaying the prefix's actions, checked against what was stored.
 """
 
 from __future__ import annotations
@@ -38,13 +40,20 @@ FINISH_MAX_TURNS = "max_turns"  # set by the loop through max_turns_result()
 
 @dataclass(frozen=True)
 class Task:
-    """One question. ``answers`` holds every accepted gold string (EM/F1 take the max over them)."""
+    """One task. Our own environments read a question and its golds: ``answers`` holds every accepted gold
+    string (EM/F1 take the max over them). An outside environment (``env.name = gym``, actors/envs/gym)
+    reads what it was written for instead: ``messages``, the prompt as chat messages, and ``record``, the
+    task's own record as its ecosystem gave it (a SkyRL dataset row, a verifiers task's data). ``task_id``
+    is stable across runs and samplers: outside environments' instances and observations are keyed by it.
+    """
 
     task_id: str
     question: str
     answers: tuple[str, ...]
     dataset: str
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
+    messages: tuple[dict[str, Any], ...] = field(default=(), hash=False, compare=False)
+    record: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,10 @@ class StepResult:
 
     observation: text for the next ``tool`` message, or None when the episode is done.
     reward: the final reward when done, else None. call: the parsed call (None if unparseable).
-    info: always has "finish" (None while running); also "turn", and "error"/"em"/"f1" where relevant.
+    info: always has "finish" (None while running); also "turn", and "error"/"em"/"f1" where relevant. An
+    outside environment adds "messages" (the observation as chat messages, rendered by their roles) and,
+    on a done result, "drop" (why the episode must not be trained on: its branch is removed from the
+    tree, actors/tree_sampler.py).
     """
 
     observation: str | None
@@ -85,6 +97,12 @@ class Environment(Protocol):
     def metrics(self) -> dict[str, float]:
         """Counters the sampler's metrics add, e.g. ``env/retrieval_errors``; empty where there are none."""
         ...
+
+
+class EnvFailure(Exception):
+    """An environment failed on one task (raised in reset or step, a non-finite reward, a lost worker).
+    The message is one line naming the environment and the task id; the agent loop logs it as it is and
+    ends the episode as a verifier error (`algo.on_verifier_error`), and the run goes on."""
 
 
 class ToolError(Exception):

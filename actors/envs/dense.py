@@ -14,6 +14,7 @@ score are broken by corpus position, as in ``Bm25Index``. faiss and sentence-tra
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,13 @@ class EncoderError(ValueError):
     """The encoder folder is missing or is not a sentence-transformers model."""
 
 
+def unhide_sklearn() -> None:
+    """sentence-transformers needs scikit-learn, which our processes hide from transformers
+    (runtime/lean_imports.py): the hiding `None` entry goes, so the next import finds the package."""
+    if "sklearn" in sys.modules and sys.modules["sklearn"] is None:
+        del sys.modules["sklearn"]
+
+
 def load_encoder(path: str | Path, device: str | None = None) -> Any:
     """A SentenceTransformer from a local folder (``modules.json`` or ``config.json`` inside), offline."""
     folder = Path(path)
@@ -37,6 +45,7 @@ def load_encoder(path: str | Path, device: str | None = None) -> Any:
         raise EncoderError(f"encoder folder {folder} does not exist")
     if not ((folder / "modules.json").is_file() or (folder / "config.json").is_file()):
         raise EncoderError(f"{folder} is not a sentence-transformers folder (no modules.json or config.json)")
+    unhide_sklearn()
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(folder), device=device, local_files_only=True)

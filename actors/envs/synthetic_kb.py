@@ -24,7 +24,7 @@ from bm25s.stopwords import STOPWORDS_EN
 
 from actors.envs.base import Task, Tool, ToolEnv
 from actors.envs.search import Bm25Index, Passage
-from actors.envs.thinking import MAX_CHUNKS, budget_prompt, think_text
+from actors.envs.thinking import think_text, with_budget
 
 RELATIONS: dict[str, tuple[str, str]] = {  # relation -> (subject type, object type)
     "birthplace": ("person", "city"),
@@ -268,7 +268,7 @@ class SyntheticKBEnv(ToolEnv):
         self.index = index if index is not None else Bm25Index.from_passages(self.kb.passages())
         self.topk, self.think_chunks = topk, think_chunks
         search = Tool("search", "Search the knowledge base; returns matching facts.", "query", self.search)
-        super().__init__([search], budget_prompt(SYSTEM_PROMPT, think_chunks), max_turns)
+        super().__init__([search], SYSTEM_PROMPT, max_turns)
 
     @property
     def inline_tools(self) -> bool:
@@ -277,8 +277,15 @@ class SyntheticKBEnv(ToolEnv):
         return isinstance(self.index, Bm25Index)
 
     def search(self, query: str) -> str:
+        """The tool: the hits, then (with thinking) the budget of the span the next turn writes."""
+        return with_budget(self.hits(query), self.think_chunks)
+
+    def hits(self, query: str) -> str:
         hits = self.index.search_one(query, self.topk)
         return "\n".join(h["contents"] for h in hits) if hits else "no results"
+
+    def user_prompt(self, task: Task) -> str:
+        return with_budget(task.question, self.think_chunks)
 
     def tasks(self, split: str, **kwargs: object) -> list[Task]:
         """``split`` is "train" (kwargs of ``train_questions``), "eval" or "val" (validation; kwargs of
@@ -301,14 +308,17 @@ class SyntheticKBEnv(ToolEnv):
         """
         rng = rng or random.Random(task.task_id)
         chunks = self.think_chunks if chunks is None else chunks
-        return [(think_text(chunks, rng) + action, obs) for action, obs in self._oracle_calls(task)]
+        return [
+            (action + think_text(chunks, rng), None if obs is None else with_budget(obs, chunks))
+            for action, obs in self._oracle_calls(task)
+        ]
 
     def _oracle_calls(self, task: Task) -> list[tuple[str, str | None]]:
         entity = task.meta["chain"][0]
         turns: list[tuple[str, str | None]] = []
         for rel in task.meta["path"]:
             query = f"{entity} {rel}"
-            obs = self.search(query)
+            obs = self.hits(query)
             nxt = read_fact(obs, entity, rel)
             if nxt is None:
                 raise RuntimeError(f"{task.task_id}: search {query!r} did not retrieve the fact: {obs!r}")
@@ -333,8 +343,4 @@ def tokenizer_texts(
             if obs is not None:
                 texts.append(obs)
     texts += [SYSTEM_PROMPT] * system_repeats
-    if env.think_chunks > 0:  # the countdown's numbers and the budget prompts, so each is one token
-        rng = random.Random(seed)
-        texts += [think_text(MAX_CHUNKS, rng) for _ in range(system_repeats)]
-        texts += [budget_prompt(SYSTEM_PROMPT, n) for n in range(1, MAX_CHUNKS + 1) for _ in range(4)]
     return texts

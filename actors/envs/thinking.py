@@ -1,26 +1,31 @@
 """Free-text thinking spans for the synthetic task (`env.think_tokens`): turns of a chosen length, so that the
 off-policy experiment sees the turn lengths real thinking agents write (docs/algorithm.md §11.1).
 
-A span is a countdown of `chunks` chunks, each a number and seven words drawn uniformly from `THINK_WORDS`::
+A span is a countdown of `chunks` chunks, each a number and six words drawn uniformly from `THINK_WORDS`,
+written after the turn's call::
 
-    <think> 3 employer the mentor of city is founder 2 ... 0 leader what the capital of is country </think>
+    search: Dakom leader
+    <think> 3 employer the mentor of or founder 2 ... 0 leader is the capital of country </think>
 
-about eight tokens a chunk with the tiny model's tokenizer. The words carry nothing the task needs: they are
-text the policy samples freely (high entropy, so its drift between versions shows on every token), and the
-countdown lets even the tiny model end the span on time (greedy decoding included). The budget is in the
-system prompt (`Think N.`), so one warm start (trained on budgets 1..MAX_CHUNKS) serves every length.
+about eight tokens a chunk with the tiny model's tokenizer (each word is one token of it, a number two or
+three). The words carry nothing the task needs: they are text the policy samples freely (high entropy, so its
+drift between versions shows on every token). The budget closes the user prompt and every observation
+(`Think N.`), a few tokens before the span that spends it, so even the tiny model starts its countdown right
+and ends the span on time, greedy decoding included; one warm start (trained on budgets 1..MAX_CHUNKS) serves
+every length. The span follows the call, not the reverse, because the tiny model's two layers copy the next
+entity from the observation just before the call: a span in between costs it the task.
 """
 
 from __future__ import annotations
 
 import random
 
-CHUNK_TOKENS = 8  # one number and seven words
+CHUNK_TOKENS = 8  # about: one number (2–3 tokens) and six words (one token each)
 MAX_CHUNKS = 64  # env.think_tokens ≤ 512
-WORDS_PER_CHUNK = CHUNK_TOKENS - 1
+WORDS_PER_CHUNK = 6
 THINK_WORDS = (
-    "the", "of", "is", "what", "search", "answer", "person", "company", "city", "country",
-    "birthplace", "employer", "mentor", "headquarters", "founder", "capital", "leader", "maybe",
+    "the", "of", "is", "or", "search", "answer", "birthplace", "employer", "mentor", "headquarters",
+    "founder", "country", "capital", "leader",
 )  # fmt: skip
 
 
@@ -29,9 +34,9 @@ def chunks_for(think_tokens: int) -> int:
     return think_tokens // CHUNK_TOKENS
 
 
-def budget_prompt(system_prompt: str, chunks: int) -> str:
-    """The system prompt that asks for a span of `chunks` chunks (unchanged without thinking)."""
-    return f"{system_prompt} Think {chunks}." if chunks > 0 else system_prompt
+def with_budget(text: str, chunks: int) -> str:
+    """A user prompt or an observation that asks for a span of `chunks` chunks next (unchanged for 0)."""
+    return f"{text}\nThink {chunks}." if chunks > 0 else text
 
 
 def think_text(chunks: int, rng: random.Random) -> str:
@@ -41,4 +46,4 @@ def think_text(chunks: int, rng: random.Random) -> str:
     parts = []
     for k in range(chunks - 1, -1, -1):
         parts.append(" ".join([str(k), *rng.choices(THINK_WORDS, k=WORDS_PER_CHUNK)]))
-    return "<think> " + " ".join(parts) + " </think>\n"
+    return "\n<think> " + " ".join(parts) + " </think>"

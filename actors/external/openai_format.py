@@ -11,6 +11,7 @@ conversation can be compared with what the endpoint recorded and returned: `same
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import re
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
-# fields a request may carry; any other is refused (400 naming it) rather than silently ignored
+# fields a request may carry; any other is refused (400 naming it) rather than silently ignored (`user`,
+# `metadata`, `store`: accepted and ignored, as frameworks set them)
 FIELDS = {
     "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "stream",
     "n", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "user", "metadata", "store",
@@ -60,8 +62,9 @@ class ChatRequest:
     max_tokens: int | None
     logprobs: bool
     model: str
-    user: str | None
     parallel_tool_calls: bool = True  # false: at most one tool call per assistant turn
+    sig: str = ""  # what a re-send of the same request has too (a client's retry): its messages and tools
+    tools_chars: int = 0  # the tool schemas' length as JSON (the cheap bound on a prompt's tokens)
 
 
 def bad(field: str, why: str) -> ApiError:
@@ -84,15 +87,29 @@ def parse_chat_request(body: Any, bounds: SamplingBounds) -> ChatRequest:
     msgs = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     check_tool_answers(msgs)
     _check_sampling(body, bounds)
+    tools = _tools(body.get("tools"))
     return ChatRequest(
         messages=msgs,
-        tools=_tools(body.get("tools")),
+        tools=tools,
         max_tokens=_max_tokens(body),
         logprobs=_flag(body, "logprobs"),
         model=str(body.get("model") or ""),
-        user=body.get("user") if isinstance(body.get("user"), str) else None,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        sig=signature(msgs, tools),
+        tools_chars=len(json.dumps(tools)) if tools else 0,
     )
+
+
+def signature(msgs: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """A digest of the messages and tools: equal for a re-send of the same request. The contents are hashed
+    as they are (sha256 releases the GIL on large buffers), not dumped as JSON: a huge prompt costs little."""
+    h = hashlib.sha256(json.dumps(tools, sort_keys=True).encode())
+    for m in msgs:
+        content = m["content"].encode(errors="surrogatepass")
+        head = {k: v for k, v in m.items() if k != "content"}
+        h.update(f"\0{json.dumps(head, sort_keys=True)}\0{len(content)}\0".encode())
+        h.update(content)
+    return h.hexdigest()
 
 
 def _check_sampling(body: dict[str, Any], bounds: SamplingBounds) -> None:

@@ -11,7 +11,9 @@ finished it. The agent polls `GET /v1/tasks/next` (`{"task": null}` while none w
 session), runs the environment's tools by `POST /v1/tools/call` (`{"name", "arguments"}` → `{"content"}`)
 and posts its reward (`POST /v1/reward`), which finishes the episode; `POST /v1/tasks/done` finishes one
 without a reward (the agent gave up: the episode is dropped, `external/no_reward`). An episode no agent
-finishes within `env.harness_timeout_s` is dropped (`external/harness_timeouts`), as a hung harness.
+finishes within `env.harness_timeout_s` is dropped (`external/harness_timeouts`), as a hung harness; one
+that no agent takes while no request reaches the endpoint for `env.agent_wait_s` is dropped at once
+(`NoAgent`: `external/no_agent`; the run names the sampler no agent serves, runtime/external_tally.py).
 
 Branching replays the episode: the agent must be deterministic given the model's replies (as a harness).
 The queue is shared by the endpoint's HTTP thread and the harness threads: one lock.
@@ -20,6 +22,7 @@ The queue is shared by the endpoint's HTTP thread and the harness threads: one l
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,14 +39,31 @@ class _Entry:
     view: dict[str, Any]
     call_tool: Callable[[str, dict[str, Any]], str]
     done: threading.Event = field(default_factory=threading.Event)
+    taken: bool = False
+
+
+class NoAgent(RuntimeError):
+    """No agent took the episode: no request reached the endpoint for `env.agent_wait_s`."""
 
 
 class TaskQueue:
-    def __init__(self, base_url: str, wait_s: float) -> None:
-        self.base_url, self.wait_s = base_url, wait_s
+    def __init__(self, base_url: str, wait_s: float, agent_wait_s: float = 10.0) -> None:
+        self.base_url, self.wait_s, self.agent_wait_s = base_url, wait_s, agent_wait_s
         self._mu = threading.Lock()
         self._pending: deque[str] = deque()
         self._entries: dict[str, _Entry] = {}
+        self.last_seen = time.monotonic()  # the last request of an agent (any route)
+
+    def seen(self) -> None:
+        self.last_seen = time.monotonic()
+
+    def unserved(self) -> bool:
+        """No agent is around: no request for `agent_wait_s`, and no episode taken and still running (a
+        busy agent waiting on a slow tool sends nothing for a while)."""
+        if time.monotonic() - self.last_seen <= self.agent_wait_s:
+            return False
+        with self._mu:
+            return not any(e.taken and not e.done.is_set() for e in self._entries.values())
 
     def offer(self, session: str, task: dict[str, Any]) -> _Entry:
         view = {k: task[k] for k in _SHOWN if k in task}
@@ -60,6 +80,7 @@ class TaskQueue:
             while self._pending:
                 entry = self._entries.get(self._pending.popleft())
                 if entry is not None:
+                    entry.taken = True
                     return entry.view
         return None
 
@@ -94,8 +115,17 @@ def queued(task: dict[str, Any], base_url: str, session: str) -> None:
     if q is None:
         raise RuntimeError(f"no agent endpoint serves {base_url} in this process")
     entry = q.offer(session, task)
+    deadline = time.monotonic() + q.wait_s
     try:
-        if not entry.done.wait(q.wait_s):
-            raise TimeoutError(f"no agent finished the episode within {q.wait_s:g} s (GET /v1/tasks/next)")
+        while not entry.done.wait(min(1.0, q.agent_wait_s / 4)):
+            if not entry.taken and q.unserved():
+                raise NoAgent(
+                    f"no agent took the episode: no request reached {q.base_url} for {q.agent_wait_s:g} s "
+                    "(env.agent_wait_s): does an agent serve this sampler's endpoint?"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no agent finished the episode within {q.wait_s:g} s (GET /v1/tasks/next)"
+                )
     finally:
         q.drop(session)

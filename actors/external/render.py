@@ -18,6 +18,7 @@ its text; a token that splits a character keeps its bytes (`日` = e6 97 a5 over
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -52,6 +53,13 @@ class Templates:
             messages = with_tools_in_system(messages, tools)
         text = render(self.tokenizer, [template_message(m) for m in messages], True, **kwargs)
         return self.protocol.encode(text)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary entry's length bounds its text's):
+        a text of C characters needs at least C // this many tokens, whatever the tokenizer does."""
+        vocab = self.tokenizer.get_vocab()
+        return max(1, max((len(piece) for piece in vocab), default=1))
 
     def _renders_tools(self, tools: list[dict[str, Any]]) -> bool:
         key = json.dumps(tools, sort_keys=True)

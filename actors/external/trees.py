@@ -4,61 +4,58 @@
     sampler = TreeSampler(..., external=ext)          # sample_trees → ext.grow: admission, commit as before
 
 The harness is a plain function `run_episode(task: dict, base_url: str, session: str) -> reward | None`
-that talks to `base_url` with any OpenAI client, naming `session` (header `X-Session-Id` or `user`). Per
-tree: M runs of the harness on the task (the trunks, each its own session); then N anchors per trunk over
-its turn boundaries (`plan_anchors`, as the own loop), and per anchor k a new run of the harness on the same
-task whose first k requests are answered from the trunk's record (replay: same text, same tool-call ids, the
-same token ids) while its context is checked against the trunk's, token for token; from turn k on it samples
-fresh. A branch whose context differs (a non-deterministic harness) is refused (409), counted
-(`external/branches_refused`) and never stored.
+that talks to `base_url` with any OpenAI client, with the session's key (`task["api_key"]`). Per tree: M
+runs of the harness on the task (the trunks, each its own session: episodes.py); each trunk's *line* (the
+calls its episode runs in: its conversations and compactions, and the summary or sub-agent calls that fed
+them, line.py) becomes a chain of the tree, with a restart wherever a call's context does not extend the
+previous one's; then N anchors per trunk over its line's call boundaries (`plan_anchors`, as the own
+loop), and per anchor k a new run of the harness on the same task whose calls before the trunk's k-th line
+call are answered from the trunk's record, whatever conversation they are in (prefix forcing: replay.py),
+each checked against it token for token; from the anchor on it samples fresh and hangs under the trunk's
+node. A branch whose context differs (a non-deterministic harness) is refused (409), counted
+(`external/branches_refused`) and never stored. Only whole, rewarded episodes enter the tree (a tree whose
+trunks all fail is dropped).
 
-An episode's reward is what the harness returns, or (when it returns None) what it posts to `/v1/reward`
-within `env.reward_timeout_s`; both at once is refused (`external/double_rewards`). An episode a limit
-ended is stored with reward 0 (`external/limit_ended`). A harness that raises, runs past
-`env.harness_timeout_s` (its thread is left behind: Python cannot stop it; its later requests get 410),
-returns no reward or a non-number costs that episode only: dropped, counted, logged (rate-limited:
-health.py); `env.harness_max_failures` trunks in a row dropped stop the run, naming the harness. Only
-whole, rewarded episodes enter the tree (a tree whose trunks all fail is dropped). Each harness run is a
-daemon thread; everything else runs on the sampling loop.
-
-Side calls (side.py): the side segments of a tree's stored episodes are returned as trees of their own,
-linked to it (`side.side_trees`: meta `episode_tree`, `links`), with `env.side_calls=train`; with
-`exclude` they are only counted. The tree's meta `calls` logs every call of its episodes with its parent.
+Side calls (the conversations outside a line: side.py) are returned as trees of their own, linked to the
+episode tree, as `env.side_calls` says (`train`: those that carry signal); the tree's meta `calls` logs every
+call of its episodes with its conversation and parent call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import importlib
 import json
-import math
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from actors.async_loop import EpisodeRunner, gather_or_cancel
+from actors.async_loop import gather_or_cancel
 from actors.envs.base import Task
 from actors.envs.tool_calls import ToolCall
 from actors.external.discovery import Discovery
 from actors.external.endpoint import AgentEndpoint
+from actors.external.episodes import TreePlan, run_episode
 from actors.external.health import HarnessHealth
+from actors.external.line import add_line, main_chain, side_conversations
 from actors.external.openai_format import SamplingBounds
 from actors.external.render import Templates
-from actors.external.session import Round, Session, TreeState, count
+from actors.external.replay import PrefixReplay, RecordedCall
+from actors.external.session import Round, Session, count
 from actors.external.side import calls_meta, side_trees
+from actors.tree_sampler import Grown
 from actors.weight_gate import WeightGate
-from system.tree import RolloutTree
+from system.policy import TurnServer
+from system.tree import ROOT, RolloutTree
 from system.tree_build import TreeBuilder, plan_anchors
 
 if TYPE_CHECKING:
-    from actors.tree_sampler import TreeSampler, TreeShape
+    from actors.tree_sampler import TreeSampler
 
 Harness = Callable[[dict[str, Any], str, str], Any]
 
@@ -88,19 +85,6 @@ class HarnessLimits:
     max_failures: int = 32  # env.harness_max_failures: trunks dropped in a row that stop the run
 
 
-@dataclass
-class _Plan:
-    task: Task
-    tree_id: str
-    rng: np.random.Generator
-    state: TreeState = field(default_factory=TreeState)
-    trunks: list[Session] = field(default_factory=list)
-    builder: TreeBuilder | None = None
-    finish: dict[int, str] = field(default_factory=dict)
-    keys: list[str] = field(default_factory=list)
-    stored: list[Session] = field(default_factory=list)  # the sessions whose episodes the tree holds
-
-
 class ExternalTrees:
     """The tree source of a TreeSampler whose episodes come from a harness (`env.harness`)."""
 
@@ -113,49 +97,59 @@ class ExternalTrees:
         limits: HarnessLimits = HarnessLimits(),
         name: str | None = None,
         side_calls: str = "train",
+        tool_change: str = "refuse",
+        index: int = 0,
     ) -> None:
         self.harness, self.endpoint, self.templates = harness, endpoint, templates
-        self.bounds, self.limits, self.side_calls = bounds, limits, side_calls
+        self.bounds, self.limits, self.side_calls, self.tool_change = bounds, limits, side_calls, tool_change
         name = name or f"{getattr(harness, '__module__', '?')}:{getattr(harness, '__qualname__', harness)}"
         self.health = HarnessHealth(name, limits.max_failures)
+        self.index = index  # the sampler's (its logs/sampler-<i>.log): the run names it (external_tally.py)
+        self.stats: dict[str, float] = {}  # external/*: counted since the start, joined to the sampler's
         self.discovery: Discovery | None = None  # its entry in RUN_DIR/agent_endpoints.json, if listed
 
     def grow(
         self, sampler: TreeSampler, tasks: Sequence[Task], rng: np.random.Generator, ids: Sequence[str]
-    ) -> list[RolloutTree]:
+    ) -> Grown:
         seeds = rng.integers(1 << 62, size=len(tasks))
         plans = [
-            _Plan(t, i, np.random.default_rng(int(s))) for t, i, s in zip(tasks, ids, seeds, strict=True)
+            TreePlan(t, i, np.random.default_rng(int(s))) for t, i, s in zip(tasks, ids, seeds, strict=True)
         ]
         for p in plans:
             p.trunks = [Session(f"{p.tree_id}/m{m}", p.state, _seed(p)) for m in range(sampler.shape.M)]
-        server = sampler.turn_server()
-        gate = WeightGate(server, sampler.poller, sampler.stats)
-        runner = EpisodeRunner(
-            server,
-            sampler.env,
-            sampler.chat,
-            sampler.limits,
-            gate,
-            max_inflight=1,
-            tools=None,
-            stats=sampler.stats,
-        )
-        rnd = Round(server, gate, self.templates, sampler.limits, self.bounds, sampler.stats)
-        sampler.run_async(_grow_all(self, rnd, runner, plans, sampler))
+
+        def episodes(server: TurnServer, gate: WeightGate) -> Any:
+            rnd = Round(
+                server,
+                gate,
+                self.templates,
+                sampler.limits,
+                self.bounds,
+                self.stats,
+                tool_change=self.tool_change,
+            )
+            return _grow_all(self, rnd, plans, sampler)
+
+        sampler.run_round(episodes)
         trees = [_finish(p) for p in plans]
-        sampler.dropped_trees += sum(t is None for t in trees)
-        mask = sampler.limits.mask_truncated_turn
-        train = self.side_calls == "train"  # else side calls are served and counted, never stored
-        side = [t for p in plans if train for t in side_trees(p.tree_id, _meta(p), p.stored, mask)]
-        count(sampler.stats, "external/side_trees", len(side))
-        return [t for t in trees if t is not None] + side
+        side: list[RolloutTree] = []
+        for p in plans:
+            convs = [(s, c) for s in p.stored for c in side_conversations(s)]
+            kept, skipped = side_trees(
+                p.tree_id, _meta(p), convs, sampler.limits.mask_truncated_turn, self.side_calls
+            )
+            side += kept
+            count(self.stats, "external/side_trees_skipped", skipped)
+        count(self.stats, "external/side_trees", len(side))
+        return Grown([t for t in trees if t is not None] + side, dropped=sum(t is None for t in trees))
 
     def metrics(self) -> dict[str, float]:
         """What the sampler's metrics add (TreeSampler.get_metrics), whether or not a round finished."""
-        return {  # rejected: before reaching a session (auth, malformed JSON, no session id), since the start
-            "external/rejected_requests": float(self.endpoint.rejected),
+        return {
+            **self.stats,
+            **self.endpoint.metrics(),  # rejected before any session, refusals by reason: since the start
             "external/failures_in_row": float(self.health.in_row),
+            "external/sampler_index": float(self.index),
         }
 
     def task_view(self, sampler: TreeSampler, task: Task, session: str) -> dict[str, Any]:
@@ -189,179 +183,97 @@ def call_tool(env: Any, task: Task, name: str, arguments: dict[str, Any]) -> str
     return str(result.observation) if result.observation is not None else ""
 
 
-def _seed(p: _Plan) -> int:
+def _seed(p: TreePlan) -> int:
     return int(p.rng.integers(1 << 62))
 
 
 # Module functions, not methods: a class with an `async def` method becomes an asyncio actor in Ray.
-async def _grow_all(
-    ext: ExternalTrees, rnd: Round, runner: EpisodeRunner, plans: list[_Plan], sampler: TreeSampler
-) -> None:
+async def _grow_all(ext: ExternalTrees, rnd: Round, plans: list[TreePlan], sampler: TreeSampler) -> None:
     slots = asyncio.Semaphore(sampler.max_inflight)
     ext.endpoint.attach(rnd, asyncio.get_running_loop())
     try:
-        grow = (_grow(ext, rnd, slots, p, sampler) for p in plans)
-        await runner.drive(gather_or_cancel(*grow))
+        await gather_or_cancel(*(_grow(ext, rnd, slots, p, sampler) for p in plans))
     finally:
         ext.endpoint.detach()
 
 
 async def _grow(
-    ext: ExternalTrees, rnd: Round, slots: asyncio.Semaphore, p: _Plan, sampler: TreeSampler
+    ext: ExternalTrees, rnd: Round, slots: asyncio.Semaphore, p: TreePlan, sampler: TreeSampler
 ) -> None:
     """One tree: its M trunks, then (committed first) its branches, then its caches freed."""
-    episode = functools.partial(_episode, ext, rnd, slots, p, sampler)
+    episode = functools.partial(run_episode, ext, rnd, slots, p, sampler)
     await gather_or_cancel(*(episode(s) for s in p.trunks))
     ok = [s for s in p.trunks if s.failure is None]
     if ok:
         _commit_trunks(p, ok, rnd)
-        shape: TreeShape = sampler.shape
-        anchors = plan_anchors([len(s.turns) for s in ok], shape.N, p.rng, shape.anchor_shortfall)
+        shape = sampler.shape
+        anchors = plan_anchors([len(s.line) for s in ok], shape.N, p.rng, shape.anchor_shortfall)
         branches = [_branch(p, ok[m], k, j) for j, (m, k) in enumerate(anchors)]
         count(rnd.stats, "external/branches", len(branches))
         await gather_or_cancel(*(episode(b) for b, _ in branches))
         for b, anchor in branches:
             if b.failure is None:
-                _commit(p, b, anchor, rnd)
+                _commit(p, b, [c for c in b.line if c >= b.start] or [b.start], anchor, rnd)
             elif b.failure.startswith("context mismatch"):
                 count(rnd.stats, "external/branches_refused")
-    sides = [seg.key for k in p.keys for seg in rnd.sessions[k].sides]
-    count(rnd.stats, "external/side_calls", sum(c.segment > 0 for k in p.keys for c in rnd.sessions[k].calls))
-    await rnd.server.release(*p.keys, *sides)
+    sessions = [rnd.sessions[k] for k in p.keys]
+    sampled = [(s, i) for s in sessions for i, c in enumerate(s.calls) if not c.replayed]
+    count(rnd.stats, "external/side_calls", sum(i not in s.line for s, i in sampled))
+    await rnd.server.release(*(c.key for s in sessions for c in s.convs))
 
 
-def _branch(p: _Plan, trunk: Session, k: int, j: int) -> tuple[Session, int]:
-    """A new run of the harness whose first k turns replay `trunk`'s, under the trunk's k-th node."""
-    assert p.builder is not None
-    anchor = trunk.nodes[k - 1]
-    s = Session(f"{p.tree_id}/b{j}", p.state, _seed(p), parent_key=trunk.key, replay=trunk.turns[:k])
-    s.anchor_context = p.builder.context_tokens(anchor)
-    return s, anchor
+def _branch(p: TreePlan, trunk: Session, k: int, j: int) -> tuple[Session, int]:
+    """A new run of the harness whose calls before the trunk's k-th line call replay the trunk's, under the
+    trunk's node of its (k-1)-th line call."""
+    record = [RecordedCall(c.context, _turn_of(trunk, i)) for i, c in enumerate(trunk.calls)]
+    replay = PrefixReplay(record, upto=trunk.line[k])
+    caches = {c.index: c.key for c in trunk.convs}
+    s = Session(f"{p.tree_id}/b{j}", p.state, _seed(p), replay=replay, trunk_keys=caches)
+    return s, trunk.nodes[trunk.line[k - 1]]
 
 
-async def _episode(
-    ext: ExternalTrees, rnd: Round, slots: asyncio.Semaphore, p: _Plan, sampler: TreeSampler, s: Session
-) -> None:
-    async with slots:
-        if rnd.error is not None:  # the round is failing: no new harness run
-            raise rnd.error
-        rnd.sessions[s.key] = s
-        p.keys.append(s.key)
-        count(rnd.stats, "external/episodes")
-        try:
-            value, exc = await _run_harness(ext, ext.task_view(sampler, p.task, s.key), s)
-            if s.failure is None:
-                await _settle(ext, s, value, exc, rnd.stats)
-        finally:
-            s.closed = True
-    if rnd.error is not None:  # the engine failed under this round: it fails as a whole
-        raise rnd.error
-    if s.failure is None and len(s.turns) <= s.start:
-        s.failure = "the harness made no request that sampled a turn"
-        count(rnd.stats, "external/no_turns")
-    if s.failure is not None:
-        count(rnd.stats, "external/episodes_dropped")
-    stop = ext.health.episode_done(s)  # logs the drop (rate-limited); a streak at its bound stops the run
-    if stop is not None:
-        rnd.error = rnd.error or stop
-        raise rnd.error
+def _turn_of(s: Session, call: int) -> Any:
+    conv = s.convs[s.calls[call].conv]
+    return conv.turns[conv.calls.index(call)]
 
 
-async def _run_harness(
-    ext: ExternalTrees, task: dict[str, Any], s: Session
-) -> tuple[Any, BaseException | None]:
-    """Runs the harness in a daemon thread; (its return value, None) or (None, what it raised)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[tuple[Any, BaseException | None]] = loop.create_future()
-
-    def deliver(out: tuple[Any, BaseException | None]) -> None:
-        if not fut.done():
-            fut.set_result(out)
-
-    def target() -> None:
-        try:
-            out: tuple[Any, BaseException | None] = (ext.harness(task, ext.endpoint.url, s.key), None)
-        except BaseException as exc:  # the harness's failure is its episode's, reported below
-            out = (None, exc)
-        with contextlib.suppress(RuntimeError):  # RuntimeError: the round is over (a run past its deadline)
-            loop.call_soon_threadsafe(deliver, out)
-
-    threading.Thread(target=target, name=f"harness-{s.key}", daemon=True).start()
-    try:
-        return await asyncio.wait_for(asyncio.shield(fut), ext.limits.timeout_s)
-    except TimeoutError:
-        s.closed = True
-        return None, TimeoutError(f"the harness ran past env.harness_timeout_s ({ext.limits.timeout_s:g} s)")
-
-
-async def _settle(
-    ext: ExternalTrees, s: Session, value: Any, exc: BaseException | None, stats: dict[str, float]
-) -> None:
-    """The episode's reward, or its failure. A limit's end (truncated, max_turns, token_budget) is reward 0
-    whatever the harness did after it, as in the project's own loop."""
-    if s.finish is not None:
-        s.reward = 0.0
-        count(stats, "external/limit_ended")
-    elif isinstance(exc, TimeoutError):
-        s.failure = str(exc)
-        count(stats, "external/harness_timeouts")
-    elif exc is not None:
-        s.failure = f"the harness raised {type(exc).__name__}: {exc}"
-        count(stats, "external/harness_errors")
-    elif value is None:
-        if s.posted_reward is None:
-            try:
-                await asyncio.wait_for(s.rewarded.wait(), ext.limits.reward_timeout_s)
-            except TimeoutError:
-                s.failure = f"no reward (returned None, none posted within {ext.limits.reward_timeout_s:g} s)"
-                count(stats, "external/no_reward")
-                return
-        s.reward = s.posted_reward
-    elif s.posted_reward is not None:
-        s.failure = (
-            f"the reward was given twice: returned {value!r} and posted {s.posted_reward:g} "
-            "(return None to post it)"
-        )
-        count(stats, "external/double_rewards")
-    elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        s.failure = f"the harness returned {value!r}, not a finite number (the reward)"
-        count(stats, "external/bad_rewards")
-    else:
-        s.reward = float(value)
-
-
-def _commit_trunks(p: _Plan, trunks: list[Session], rnd: Round) -> None:
+def _commit_trunks(p: TreePlan, trunks: list[Session], rnd: Round) -> None:
     assert p.state.prompt is not None
     p.builder = TreeBuilder(p.tree_id, p.state.prompt.ids, prompt_id=p.task.task_id, meta=_meta(p))
     for s in trunks:
-        _commit(p, s, 0, rnd)
+        _commit(p, s, s.line, ROOT, rnd)
 
 
-def _meta(p: _Plan) -> dict[str, str]:
+def _meta(p: TreePlan) -> dict[str, str]:
     answers = json.dumps(list(p.task.answers))
     return {"task_id": p.task.task_id, "dataset": p.task.dataset, "answers": answers, "source": "external"}
 
 
-def _commit(p: _Plan, s: Session, parent: int, rnd: Round) -> None:
-    """The session's own turns (after a branch's replayed prefix) into the tree, as `record_turn` does."""
+def _commit(p: TreePlan, s: Session, calls: list[int], parent: int, rnd: Round) -> None:
+    """The session's own line calls (a branch's from its anchor on) into the tree, under `parent`."""
     assert p.builder is not None and s.reward is not None
-    for t in s.turns[s.start :]:
-        cut = t.finish_reason != "stop" and rnd.limits.mask_truncated_turn
-        parent = p.builder.add_turn(
-            parent, t.ids, t.logprobs, loss_mask=[not cut] * len(t.ids), policy_version=t.version
-        )
-        if t.obs_ids:
-            p.builder.set_observation(parent, t.obs_ids)
-        s.nodes.append(parent)
-    p.builder.set_reward(parent, s.reward)
-    p.finish[parent] = s.finish or "done"
+    leaf = add_line(p.builder, s, sorted(calls), parent, rnd.limits.mask_truncated_turn)
+    p.builder.set_reward(leaf, s.reward)
+    p.finish[leaf] = s.finish or "done"
     p.stored.append(s)
     count(rnd.stats, "external/episodes_stored")
+    chain = main_chain(s)
+    if s.replay is not None:  # a branch: its anchor (the first call it sampled), and where that call was
+        conv = s.calls[s.start].conv
+        context = chain.index(conv) if conv in chain else -1  # 0: before any compaction; -1: a fed call
+        p.anchors[s.key] = {"call": s.start, "conversation": conv, "context": context}
+    count(rnd.stats, "external/compactions", sum(s.convs[c].first_call >= s.start for c in chain[1:]))
+    count(
+        rnd.stats,
+        "external/line_side_calls",
+        sum(c >= s.start and s.calls[c].conv not in chain for c in calls),
+    )
 
 
-def _finish(p: _Plan) -> RolloutTree | None:
+def _finish(p: TreePlan) -> RolloutTree | None:
     if p.builder is None:
         return None
     p.builder.meta["finish"] = json.dumps({str(k): v for k, v in sorted(p.finish.items())})
-    p.builder.meta["calls"] = calls_meta(p.stored)  # every call of its episodes: [segment, parent call]
+    p.builder.meta["calls"] = calls_meta(p.stored)  # every call of its episodes: [conversation, parent call]
+    p.builder.meta["anchors"] = json.dumps(p.anchors)  # per branch: its anchor's call, conversation, context
     return p.builder.build()

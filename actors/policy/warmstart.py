@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from actors.chat import ChatFormat
 from actors.envs.base import Environment, StepResult, Task
 from actors.envs.synthetic_kb import SYSTEM_PROMPT, SyntheticKBEnv, tokenizer_texts
-from actors.envs.thinking import CHUNK_TOKENS, MAX_CHUNKS, budget_prompt
+from actors.envs.thinking import CHUNK_TOKENS, MAX_CHUNKS, with_budget
 from actors.policy.hf_backend import HFBackend
 from actors.policy.tiny_model import (
     IM_END,
@@ -112,15 +112,15 @@ def oracle_examples(
     think: bool = False,
 ) -> list[Example]:
     """One example per task; with `think` each has a thinking budget drawn from 1..MAX_CHUNKS, asked for
-    in its system prompt and spent in every turn (actors/envs/thinking.py)."""
+    at the end of its question and of every observation and spent in every turn (actors/envs/thinking.py)."""
     from tqdm.auto import tqdm
 
     rng, out = random.Random(0), []
     for t in tqdm(tasks, desc="oracle trajectories", unit="task", disable=not progress, mininterval=1.0):
-        chunks = rng.randint(1, MAX_CHUNKS) if think else 0
-        system = budget_prompt(SYSTEM_PROMPT, chunks) if think else env.system_prompt()
-        turns = env.oracle_turns(t, rng, chunks)
-        out.append(build_example(tokenizer, system, env.user_prompt(t), turns, t.meta.get("hops", 0)))
+        # budgets log-uniform on 1..MAX_CHUNKS: every length seen, the long ones (the costly ones) rarely
+        chunks = min(MAX_CHUNKS, int(math.exp(rng.uniform(0, math.log(MAX_CHUNKS + 1))))) if think else 0
+        turns, user = env.oracle_turns(t, rng, chunks), with_budget(t.question, chunks)
+        out.append(build_example(tokenizer, SYSTEM_PROMPT, user, turns, t.meta.get("hops", 0)))
     return out
 
 
@@ -279,7 +279,9 @@ def evaluate_greedy(
 
 # ---- the whole warm-start -----------------------------------------------------------------------------
 DEFAULT_DIMS = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "vocab": 1024}  # configs: model.tiny
+DEFAULT_HOPS = (2, 4)  # configs: model.warmstart_hops (SFT questions, and the warm start's own evaluation)
 EVAL_THINK_CHUNKS = 8  # the warm start's own evaluation with thinking: spans of 64 tokens
+THINK_STEPS, THINK_BATCH = 400, 8  # the thinking phase after the task's SFT (budgets: oracle_examples)
 THINK_POSITIONS = 8192  # a thinking model's context: 7 turns of the longest span, and their observations
 
 
@@ -311,11 +313,13 @@ def warmstart(
     threads: int = 1,
     dims: dict[str, int] | None = None,
     think: bool = False,
+    hops: tuple[int, int] = DEFAULT_HOPS,
 ) -> dict[str, Any]:
     """Builds tokenizer + tiny model, SFTs on oracle trajectories, evaluates greedily on the eval split,
     saves the HF folder and `warmstart.json` in `out_dir`. Reuses a finished run with the same settings.
     `dims` (`model.tiny`: hidden, layers, heads, kv_heads, vocab) sizes the model; None: the defaults.
-    `think`: every oracle turn opens with a thinking span (`env.think_tokens`; actors/envs/thinking.py)."""
+    `think`: every oracle turn opens with a thinking span (`env.think_tokens`; actors/envs/thinking.py).
+    `hops`: the hop counts of the SFT questions, also those the warm start is evaluated on."""
     out = Path(out_dir)
     knobs: dict[str, Any] = {
         "steps": steps,
@@ -327,7 +331,9 @@ def warmstart(
     if dims and dims != DEFAULT_DIMS:
         knobs["dims"] = dict(sorted(dims.items()))  # the default model keeps its cache key
     if think:
-        knobs["think"] = True
+        knobs["think"] = THINK_STEPS  # the spans' phase: its length is part of what the model is
+    if tuple(hops) != DEFAULT_HOPS:
+        knobs["hops"] = list(hops)  # the default range keeps its cache key
     settings, digest = _settings(**knobs, warmup=warmup, schedule=schedule, eval_per_hop=eval_per_hop)
     if (hit := _cached(out, digest)) is not None:
         return hit
@@ -338,31 +344,33 @@ def warmstart(
     return {**report, "cached": False}
 
 
+def sft_questions(env: SyntheticKBEnv, hops: tuple[int, int], n_train: int) -> list[Any]:
+    """The first n_train training questions of these hop counts (a prefix: the default range's 6,000 are
+    what they always were), or all of them where fewer exist (2 hops alone: 1,236)."""
+    return list(env.tasks("train", hops=hops)[:n_train])
+
+
 def _train_and_evaluate(out: Path, cfg: dict[str, Any], progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     think = bool(cfg.get("think"))
-    env = SyntheticKBEnv(think_chunks=EVAL_THINK_CHUNKS if think else 0)
+    lo, hi = cfg.get("hops", DEFAULT_HOPS)
+    # room for the longest question's searches and its answer in the warm start's own evaluation
+    turns = max(6, hi + 2)
+    env = SyntheticKBEnv(think_chunks=EVAL_THINK_CHUNKS if think else 0, max_turns=turns)
     dims = dict(cfg.get("dims") or DEFAULT_DIMS)
-    tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))
+    tokenizer = build_tokenizer(tokenizer_texts(env), vocab_size=dims.pop("vocab"))  # thinking or not
     positions = THINK_POSITIONS if think else 1024
     model = build_tiny_model(tokenizer, seed=cfg["seed"], max_positions=positions, **dims)
-    tasks = env.tasks("train", n=cfg["n_train"], hops=(2, 4))
-    examples = oracle_examples(tokenizer, env, tasks, progress, think)
+    tasks = sft_questions(env, (lo, hi), cfg["n_train"])
+    examples = oracle_examples(tokenizer, env, tasks, progress)
     t_data = time.perf_counter()
-    losses = sft_train(
-        model,
-        examples,
-        cfg["steps"],
-        cfg["batch_size"],
-        cfg["lr"],
-        cfg["warmup"],
-        cfg["schedule"],
-        cfg["seed"],
-        tokenizer.pad_token_id,
-        progress,
-    )
+    sft = (cfg["batch_size"], cfg["lr"], cfg["warmup"], cfg["schedule"], cfg["seed"], tokenizer.pad_token_id)
+    losses = sft_train(model, examples, cfg["steps"], *sft, progress)
+    if think:  # then the spans: the task is learnt, the countdown and its words take few more steps
+        spans = oracle_examples(tokenizer, env, tasks[: THINK_STEPS * THINK_BATCH], progress, think=True)
+        losses += sft_train(model, spans, THINK_STEPS, THINK_BATCH, *sft[1:], progress)
     t_train = time.perf_counter()
-    eval_tasks = env.tasks("eval", per_hop=cfg["eval_per_hop"])
+    eval_tasks = env.tasks("eval", per_hop=cfg["eval_per_hop"], hops=tuple(range(lo, hi + 1)))
     turn_tokens = 48 + 2 * CHUNK_TOKENS * env.think_chunks
     metrics = evaluate_greedy(model, env, eval_tasks, tokenizer, progress, turn_tokens)
     t_eval = time.perf_counter()

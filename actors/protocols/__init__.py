@@ -74,6 +74,9 @@ class ProtocolEnv:
         return str(self.env.user_prompt(task))
 
     def step(self, task: Task, history: Sequence[ToolCall], action_text: str) -> StepResult:
+        if getattr(self.env, "takes_text", False):  # an outside env (actors/envs/gym): the text and the parse
+            out: StepResult = self.env.step(task, history, action_text, self.protocol.parse(action_text))
+            return out
         result: StepResult = self.env.step_parsed(task, history, self.protocol.parse(action_text))
         if self.reward_kind == "f1" and "f1" in result.info:
             result = replace(result, reward=float(result.info["f1"]))

@@ -122,6 +122,7 @@ def stops_for(tokenizer: Any, closers: Sequence[str]) -> tuple[tuple[int, ...], 
 
 
 ENCODE_CACHE = 4096  # distinct texts kept encoded per protocol (observations are a few hundred bytes)
+CACHED_TEXT = 16 << 10  # longer texts are encoded without the cache
 
 
 class AgentProtocol:
@@ -176,7 +177,41 @@ class AgentProtocol:
         text = render(self.tokenizer, self.prompt_messages(system, user), True, **self.prompt_kwargs())
         return self.encode(text)
 
+    def with_tools(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A task's own prompt messages as this protocol shows them (qwen3: the tool schemas added where the
+        template ignores `tools=`)."""
+        return messages
+
+    def context_of(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The template's own rendering of a task's prompt messages (an outside environment's, which come
+        as chat messages: actors/envs/gym) plus the generation prompt, as ids."""
+        text = render(self.tokenizer, self.with_tools(list(messages)), True, **self.prompt_kwargs())
+        return self.encode(text)
+
+    def messages_tokens(
+        self, messages: Sequence[dict[str, Any]], turn: Sequence[int] | None = None
+    ) -> list[int]:
+        """Ids of an observation given as chat messages (each in its own role: a SkyRL env answers as
+        the user) after the sampled `turn`: the template's delta after an assistant turn, as for a tool
+        message."""
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        text = render(
+            self.tokenizer,
+            [*base, {"role": "assistant", "content": _ASSISTANT}, *messages],
+            True,
+            **self.template_kwargs,
+        )
+        after, eot = text.split(_ASSISTANT, 1)[1], self.rendering.end_of_turn
+        if not after.startswith(eot):
+            raise ProtocolError(
+                f"the chat template does not end an assistant turn with {eot!r} before a message"
+            )
+        lead = "" if self.turn_closed(turn) else eot
+        return self.encode(lead + after[len(eot) :])
+
     def encode(self, text: str) -> list[int]:
+        if len(text) > CACHED_TEXT:  # a whole prompt (the agent endpoint's): never seen again, not kept
+            return list(self._encode_uncached(text))
         return list(self._encode_cached(text))
 
     def clear_cache(self) -> None:

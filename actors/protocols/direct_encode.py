@@ -39,6 +39,8 @@ def direct_encoder(tokenizer: Any) -> DirectEncode | None:
             return None
         if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
             return None
-        return list(backend.encode(text, add_special_tokens=False).ids)
+        # encode_batch, not encode: the same ids, and it releases the GIL while it runs, so a large prompt
+        # tokenized in a worker thread (the agent endpoint) does not hold up the sampling loop
+        return list(backend.encode_batch([text], add_special_tokens=False)[0].ids)
 
     return encode

@@ -27,6 +27,7 @@ SYSTEM_PROMPT = (
     "Answer the question. Use the tools as often as you need; when you know the answer, call the answer "
     "tool with a short answer (a few words)."
 )
+TOOLS_INTRO = "You may call the tools below."  # an outside task's prompt without a system message
 # For templates that ignore `tools=`: the schemas and the call format in the system message.
 TOOLS_BLOCK = (
     "\n\n# Tools\n\nTo call a function, write one JSON object with its name and arguments between "
@@ -69,6 +70,16 @@ class Qwen3Protocol(AgentProtocol):
         if self.tools and not self.template_tools:  # the template would drop the schemas
             system = system_with_tools(system, self.tools)
         return super().prompt_messages(system, user)
+
+    def with_tools(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not self.tools or self.template_tools:
+            return messages
+        if messages and messages[0]["role"] == "system":
+            return [
+                {**messages[0], "content": system_with_tools(messages[0]["content"], self.tools)},
+                *messages[1:],
+            ]
+        return [{"role": "system", "content": system_with_tools(TOOLS_INTRO, self.tools)}, *messages]
 
     def parse(self, text: str) -> ToolCall | ParseError:
         body = self.visible(text)

@@ -62,13 +62,12 @@ def test_train_refuses_a_wrong_offpolicy_combination_with_one_line(tmp_path, ove
 
 
 def test_train_never_reaches_ray_with_a_bad_config(monkeypatch, tmp_path, capsys):
-    import runtime.driver
+    import runtime.ray_run
     from launch.cli import main
 
     def forbidden(*args, **kwargs):
         raise AssertionError("Ray was started for a config that fails validation")
 
-    monkeypatch.setattr(runtime.driver, "init_ray", forbidden)
-    monkeypatch.setattr(runtime.driver, "start_topology", forbidden)
+    monkeypatch.setattr(runtime.ray_run, "ray_training", forbidden)  # what `treeopsd train` enters
     assert main(["train", "--run-dir", str(tmp_path / "r"), "learner.epochs=0"]) == 2
     assert "learner.epochs = 0 is invalid: expected an integer >= 1" in capsys.readouterr().err

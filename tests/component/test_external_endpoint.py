@@ -27,15 +27,15 @@ def as_stored(ids, logprobs):
     return tuple(int(i) for i in ids), tuple(np.asarray(logprobs, np.float32).tolist())
 
 
-def client(base_url, session, api_key="none"):
-    return openai.OpenAI(base_url=base_url, api_key=api_key, default_headers={"X-Session-Id": session})
+def client(base_url, api_key):
+    return openai.OpenAI(base_url=base_url, api_key=api_key)
 
 
 def recording_harness(seen):
     """The example's loop, keeping every response (by session)."""
 
     def run(task, base_url, session):
-        c = client(base_url, session)
+        c = client(base_url, task["api_key"])
         msgs = [
             {"role": "system", "content": task["system_prompt"]},
             {"role": "user", "content": task["question"]},
@@ -97,7 +97,7 @@ def test_tool_calls_round_trip_and_tokens_are_the_engines(kb):
 
 def chatty_harness(task, base_url, session):
     """Up to 3 turns, each answered with a user message: no tool needed, any model's turns continue."""
-    c = client(base_url, session)
+    c = client(base_url, task["api_key"])
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": task["question"]}]
     for _ in range(3):
         r = c.chat.completions.create(model="m", messages=msgs)
@@ -147,14 +147,16 @@ def test_bad_requests_get_one_clear_error_and_cost_nothing_else(kb):
     def harness(task, base_url, session):
         msgs = [{"role": "user", "content": task["question"]}]
         post = lambda body, **kw: httpx.post(f"{base_url}/chat/completions", timeout=30, **body, **kw)  # noqa: E731
-        sid = {"X-Session-Id": session}
+        sid = {"Authorization": f"Bearer {task['api_key']}"}
         got["temperature"] = post({"json": {"messages": msgs, "temperature": 0.5}, "headers": sid})
         got["stream"] = post({"json": {"messages": msgs, "stream": "yes"}, "headers": sid})
         got["seed"] = post({"json": {"messages": msgs, "seed": 3}, "headers": sid})
         got["json"] = post({"content": b'{"messages": [', "headers": sid})
         got["no_session"] = post({"json": {"messages": msgs}})
-        got["unknown"] = post({"json": {"messages": msgs, "user": "nobody"}})
-        r = client(base_url, session).chat.completions.create(model="m", messages=msgs, temperature=1.0)
+        got["unknown"] = post({"json": {"messages": msgs}, "headers": {**sid, "X-Session-Id": "nobody"}})
+        r = client(base_url, task["api_key"]).chat.completions.create(
+            model="m", messages=msgs, temperature=1.0
+        )
         return 1.0 if r.choices[0].message.tool_calls else 0.0
 
     sampler = external_sampler(ToolScript(tok, tasks), env, protocol, harness, shape=(1, 0))
@@ -168,8 +170,8 @@ def test_bad_requests_get_one_clear_error_and_cost_nothing_else(kb):
         "stream": 400,
         "seed": 400,
         "json": 400,
-        "no_session": 400,
-        "unknown": 404,
+        "no_session": 401,
+        "unknown": 400,
     }
     err = {k: r.json()["error"] for k, r in got.items()}
     assert (
@@ -178,13 +180,13 @@ def test_bad_requests_get_one_clear_error_and_cost_nothing_else(kb):
     )
     assert err["stream"]["param"] == "stream" and err["seed"]["param"] == "seed"
     assert "not valid JSON" in err["json"]["message"] and err["json"]["type"] == "invalid_request_error"
-    assert "X-Session-Id" in err["no_session"]["message"] and "nobody" in err["unknown"]["message"]
+    assert "api key" in err["no_session"]["message"] and "'nobody'" in err["unknown"]["message"]
     # the episode itself went on: its one turn (a search call) stored with the harness's reward
     assert tree.num_leaves == 1 and tree.nodes[1].reward == 1.0
-    # refused by the session's round: temperature, stream, seed, unknown session; before any session (the
-    # endpoint itself): malformed JSON, no session id
+    # refused by the session's round: temperature, stream, seed; before any session (the endpoint itself):
+    # malformed JSON, no key, two sessions named
     metrics = sampler.get_metrics()  # what the driver gets
-    assert metrics["external/bad_requests"] == 4 and metrics["external/rejected_requests"] == 2
+    assert metrics["external/bad_requests"] == 3 and metrics["external/rejected_requests"] == 3
 
 
 def test_a_token_is_required_off_loopback_and_checked():
@@ -200,6 +202,8 @@ def test_a_token_is_required_off_loopback_and_checked():
         with pytest.raises(
             openai.NotFoundError, match="no sampling round"
         ):  # authorized, but no session runs
-            client(ep.url, "x", api_key="s3cret").chat.completions.create(model="m", messages=[])
+            openai.OpenAI(
+                base_url=ep.url, api_key="s3cret", default_headers={"X-Session-Id": "x"}
+            ).chat.completions.create(model="m", messages=[])
     finally:
         ep.close()

@@ -6,6 +6,7 @@ twice, is refused and counted; an episode ended by a limit is stored with reward
 import contextlib
 import logging
 import pickle
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -13,6 +14,7 @@ import numpy as np
 import openai
 import pytest
 
+from actors.external.remote import queued
 from actors.failures import SamplerConfigFailure, from_ray_error
 from storage.replay_store import ReplayStore
 from tests.external_fixtures import ToolScript, external_sampler, kb_setup
@@ -23,17 +25,17 @@ def kb():
     return kb_setup()
 
 
-def client(base_url, session):
-    return openai.OpenAI(base_url=base_url, api_key="none", default_headers={"X-Session-Id": session})
+def client(base_url, task):
+    return openai.OpenAI(base_url=base_url, api_key=task["api_key"])
 
 
 def ask(task, base_url, session, **kw):
     msgs = [{"role": "user", "content": task["question"]}]
-    return client(base_url, session).chat.completions.create(model="m", messages=msgs, **kw)
+    return client(base_url, task).chat.completions.create(model="m", messages=msgs, **kw)
 
 
-def post_reward(base_url, session, value):
-    headers = {"X-Session-Id": session}
+def post_reward(base_url, task, value):
+    headers = {"Authorization": f"Bearer {task['api_key']}"}
     return httpx.post(f"{base_url}/reward", json={"reward": value}, headers=headers, timeout=30)
 
 
@@ -115,10 +117,10 @@ def test_a_reward_given_twice_is_refused_and_counted(kb):
     def harness(task, base_url, session):
         ask(task, base_url, session)
         if session.endswith("/m0"):  # posted and returned: which one is the reward?
-            status["m0"] = post_reward(base_url, session, 0.5).status_code
+            status["m0"] = post_reward(base_url, task, 0.5).status_code
             return 1.0
-        status["m1"] = post_reward(base_url, session, 0.25).status_code
-        second = post_reward(base_url, session, 0.75)
+        status["m1"] = post_reward(base_url, task, 0.25).status_code
+        second = post_reward(base_url, task, 0.75)
         status["m1 again"], status["why"] = second.status_code, second.json()["error"]["message"]
         return None
 
@@ -135,7 +137,7 @@ def test_an_episode_ended_by_a_limit_is_stored_with_reward_0_and_counted(kb):
     got = {}
 
     def harness(task, base_url, session):
-        c = client(base_url, session)
+        c = client(base_url, task)
         msgs = [{"role": "user", "content": task["question"]}]
         r = c.chat.completions.create(model="m", messages=msgs)
         call = r.choices[0].message.tool_calls[0]
@@ -202,3 +204,15 @@ def test_sample_and_commit_hands_the_counters_to_the_driver(kb, tmp_path):
     assert out["trees"] == 1 and m["sampler/trees"] == 1
     assert (m["external/requests"], m["external/bad_requests"], m["external/rejected_requests"]) == (2, 1, 1)
     assert (m["external/episodes"], m["external/episodes_stored"], m["external/failures_in_row"]) == (1, 1, 0)
+
+
+def test_episodes_no_agent_takes_are_dropped_at_once_and_counted_apart(kb):
+    """The queued harness of an agent in its own process, with no agent running: each episode is dropped
+    once no request reached the endpoint for env.agent_wait_s (0.5 s here, not env.harness_timeout_s), as
+    `external/no_agent`, without counting toward the failure streak that stops a run."""
+    t0 = time.perf_counter()
+    trees, sampler = grow(kb, queued, shape=(2, 0), agent_wait_s=0.5, max_failures=1)
+    assert trees == [] and time.perf_counter() - t0 < 10
+    metrics = sampler.get_metrics()
+    assert (metrics["external/no_agent"], metrics["external/episodes_dropped"]) == (2, 2)
+    assert metrics["external/failures_in_row"] == 0 and "external/harness_errors" not in metrics

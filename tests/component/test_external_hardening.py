@@ -37,8 +37,8 @@ def grow(kb, harness, n_tasks=1, shape=(1, 0), script=ToolScript, **limits):
     return trees, sampler, backend
 
 
-def client(base_url, session):
-    return openai.OpenAI(base_url=base_url, api_key="none", default_headers={"X-Session-Id": session})
+def client(base_url, task):
+    return openai.OpenAI(base_url=base_url, api_key=task["api_key"])
 
 
 def start(task):
@@ -67,9 +67,7 @@ def test_a_prompt_over_the_token_budget_is_refused_for_its_episode_only(kb):
         if session.startswith("x0/"):  # task 0: a question far longer than the budget
             msgs[1]["content"] = task["question"] * 200
         try:
-            r = client(base_url, session).chat.completions.create(
-                model="m", messages=msgs, tools=task["tools"]
-            )
+            r = client(base_url, task).chat.completions.create(model="m", messages=msgs, tools=task["tools"])
         except openai.BadRequestError as exc:
             got[session] = exc
             return 0.0
@@ -82,7 +80,7 @@ def test_a_prompt_over_the_token_budget_is_refused_for_its_episode_only(kb):
     # the engine was never asked for a turn without room: only task 1's one turn was sampled
     assert [r.max_new_tokens for r in backend.requests] == [64]
     assert [t.tree_id for t in trees] == ["x1"] and trees[0].nodes[1].reward == 1.0  # the round went on
-    s = sampler.stats
+    s = sampler.external.stats
     assert (s["external/prompt_too_long"], s["external/episodes_dropped"], sampler.dropped_trees) == (1, 1, 1)
 
 
@@ -147,7 +145,7 @@ def test_logprob_bytes_are_each_tokens_raw_bytes(kb):
     got = []
 
     def harness(task, base_url, session):
-        r = client(base_url, session).chat.completions.create(model="m", messages=start(task), logprobs=True)
+        r = client(base_url, task).chat.completions.create(model="m", messages=start(task), logprobs=True)
         got.append(r)
         return 1.0
 
@@ -169,7 +167,7 @@ def test_a_tool_message_answering_no_call_is_a_400_naming_it(kb):
     got = {}
 
     def harness(task, base_url, session):
-        c = client(base_url, session)
+        c = client(base_url, task)
         msgs = start(task)
         r = c.chat.completions.create(model="m", messages=msgs, tools=task["tools"])
         msgs.append(r.choices[0].message.model_dump(exclude_none=True))
@@ -188,7 +186,7 @@ def test_a_tool_message_answering_no_call_is_a_400_naming_it(kb):
     assert err["param"] == "messages[3].tool_call_id" and "call_bogus" in err["message"]
     assert got["bogus"].status_code == 400
     assert tree.num_leaves == 1 and len(tree.nodes) == 3  # search, answer: the session went on
-    assert sampler.stats["external/bad_requests"] == 1
+    assert sampler.external.stats["external/bad_requests"] == 1
 
 
 class TwoCalls(ToolScript):
@@ -202,7 +200,7 @@ def test_parallel_tool_calls_false_gives_at_most_one_call_per_turn(kb):
     got = {}
 
     def harness(task, base_url, session):
-        c = client(base_url, session)
+        c = client(base_url, task)
         r = c.chat.completions.create(
             model="m", messages=start(task), tools=task["tools"], parallel_tool_calls=False
         )
@@ -219,7 +217,7 @@ def test_parallel_tool_calls_default_keeps_every_call(kb):
     got = []
 
     def harness(task, base_url, session):
-        r = client(base_url, session).chat.completions.create(
+        r = client(base_url, task).chat.completions.create(
             model="m", messages=start(task), tools=task["tools"]
         )
         got.append(r.choices[0].message)
@@ -232,6 +230,14 @@ def test_parallel_tool_calls_default_keeps_every_call(kb):
 # ---- 8: the harness's requests are logged at DEBUG -----------------------------------------------------
 
 
+def _log_http_at(caplog, level):
+    """Root and httpx's loggers at `level`: importing vLLM sets httpx's own level to WARNING (vllm/logger.py),
+    which would drop its INFO lines before any filter of ours saw them."""
+    caplog.set_level(level)
+    for name in ("httpx", "httpx2"):
+        caplog.set_level(level, logger=name)
+
+
 def _endpoint_request_records(caplog):
     """httpx's line per request (the openai client logs through its copy, httpx2)."""
     http = [r for r in caplog.records if r.name in ("httpx", "httpx2")]
@@ -239,17 +245,17 @@ def _endpoint_request_records(caplog):
 
 
 def test_harness_requests_are_logged_at_debug_not_info(kb, caplog):
-    caplog.set_level(logging.INFO)
+    _log_http_at(caplog, logging.INFO)
     grow(kb, example.run_episode)
     assert _endpoint_request_records(caplog) == []  # 2 requests (search, answer), none at INFO
     caplog.clear()
-    caplog.set_level(logging.DEBUG)
+    _log_http_at(caplog, logging.DEBUG)
     grow(kb, example.run_episode)
     levels = [r.levelname for r in _endpoint_request_records(caplog)]
     assert levels == ["DEBUG", "DEBUG"]
     other = httpx.Client(transport=httpx.MockTransport(lambda req: httpx.Response(200)))
     caplog.clear()
-    caplog.set_level(logging.INFO)
+    _log_http_at(caplog, logging.INFO)
     other.get("http://example.invalid/v1/chat/completions")  # another server's request: left as it was
     assert [r.levelname for r in _endpoint_request_records(caplog)] == ["INFO"]
 
@@ -258,7 +264,7 @@ def test_the_endpoint_filter_goes_with_the_endpoint(caplog):
     ep = AgentEndpoint()
     url = ep.url
     ep.close()
-    caplog.set_level(logging.INFO)
+    _log_http_at(caplog, logging.INFO)
     other = httpx.Client(transport=httpx.MockTransport(lambda req: httpx.Response(200)))
     other.get(f"{url}/chat/completions")  # the port may be reused by anyone: no longer ours
     assert [r.levelname for r in _endpoint_request_records(caplog)] == ["INFO"]

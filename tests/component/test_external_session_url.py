@@ -33,8 +33,9 @@ def plain_client_harness(seen, posted):
             args = json.loads(call.function.arguments)
             if call.function.name == "answer":
                 posted[session] = float(args["answer"] in task["answers"])
+                key = {"Authorization": f"Bearer {task['api_key']}"}
                 httpx.post(
-                    f"{task['session_url']}/reward", json={"reward": posted[session]}
+                    f"{task['session_url']}/reward", json={"reward": posted[session]}, headers=key
                 ).raise_for_status()
                 return None  # the reward was posted, by the URL too
             msgs.append(
@@ -59,7 +60,7 @@ def test_an_unmodified_client_names_its_session_by_the_url(kb):
     assert url.endswith("/s/u0%2Fm0/v1")
     # 2 trunks (search, answer) and 2 branches replaying the first turn: each request in its own session
     assert seen == {k: [k, k] for k in ("u0/m0", "u0/m1", "u0/b0", "u0/b1")}
-    assert tree.num_leaves == 4 and sampler.stats["external/reward_posts"] == 4
+    assert tree.num_leaves == 4 and sampler.external.stats["external/reward_posts"] == 4
     assert sorted(tree.nodes[i].reward for i in tree.leaves) == sorted(posted.values())
 
 
@@ -71,8 +72,9 @@ def test_a_header_naming_another_session_is_refused(kb):
     def harness(task, base_url, session):
         body = {"messages": [{"role": "user", "content": task["question"]}]}
         url = f"{task['session_url']}/chat/completions"
-        got["other"] = httpx.post(url, json=body, headers={"X-Session-Id": "v0/m9"}, timeout=30)
-        got["same"] = httpx.post(url, json=body, headers={"X-Session-Id": session}, timeout=30)
+        key = {"Authorization": f"Bearer {task['api_key']}"}
+        got["other"] = httpx.post(url, json=body, headers={**key, "X-Session-Id": "v0/m9"}, timeout=30)
+        got["same"] = httpx.post(url, json=body, headers={**key, "X-Session-Id": session}, timeout=30)
         return 1.0
 
     sampler = external_sampler(ToolScript(tok, tasks), env, protocol, harness, shape=(1, 0))

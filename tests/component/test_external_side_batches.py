@@ -75,12 +75,15 @@ def test_a_sampler_commits_side_trees_beyond_its_reservation_and_they_train_with
     tasks = env.tasks("train", n=4)
     with ReplayStore(tmp_path, eta=0, batch_size=2) as store:
         backend = ToolScript(tok, tasks)
-        sampler = external_sampler(backend, env, protocol, judged, shape=(2, 0), store=store, tasks=tasks)
+        sampler = external_sampler(
+            backend, env, protocol, judged, shape=(2, 0), store=store, tasks=tasks, side_calls="all"
+        )
         try:
             out = sampler.sample_and_commit(2)
         finally:
             sampler.close()
-        # 2 episode trees (M = 2 trunks each) + 1 side tree each (both judges share a prompt): 4 trees
+        # 2 episode trees (M = 2 trunks each) + 1 side tree each (both judges share a prompt; stored though
+        # their rewards are equal: env.side_calls=all): 4 trees
         assert (out["admitted"], out["trees"]) == (2.0, 4.0)
         # the reservation of 2 was used by the 2 main trees, none left, none given back twice; capacity
         # (0 + 0 + 1)·2 − 2 main trees = 0 (before: 2 − 4 trees = −2, the side trees taking slots)

@@ -39,11 +39,12 @@ class TwoSearches(ToolScript):
         return call_text("answer", answer=task.answers[0] if rng.random() < 0.5 else "nobody"), True
 
 
-def grow(kb, harness, names, shape=(2, 1), script=ToolScript, side_calls="train", token=None):
+def grow(kb, harness, names, shape=(2, 1), script=ToolScript, side_calls="all", token=None):
     env, protocol, tok = kb
     tasks = env.tasks("train", n=len(names))
-    sampler = external_sampler(script(tok, tasks), env, protocol, harness, shape=shape, token=token)
-    sampler.external.side_calls = side_calls
+    sampler = external_sampler(
+        script(tok, tasks), env, protocol, harness, shape=shape, token=token, side_calls=side_calls
+    )
     try:
         trees = sampler.sample_trees(tasks, np.random.default_rng(0), names)
     finally:
@@ -101,41 +102,56 @@ def judged_harness(task, base_url, session):
     r = c.chat.completions.create(model="m", messages=msgs, tools=task["tools"])
     judge = [{"role": "system", "content": "Judge this."}, {"role": "user", "content": task["question"]}]
     j = c.chat.completions.create(model="m", messages=judge)
-    assert (j.treeopsd["segment"], j.treeopsd["parent_call"]) == (1, None)
+    assert (j.treeopsd["conversation"], j.treeopsd["parent_call"]) == (1, None)
     msg = r.choices[0].message.model_dump(exclude_none=True)
     msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "x"}]
     r = c.chat.completions.create(model="m", messages=msgs, tools=task["tools"])
-    assert (r.treeopsd["segment"], r.treeopsd["call"], r.treeopsd["parent_call"]) == (0, 2, 0)
-    return 1.0
+    assert (r.treeopsd["conversation"], r.treeopsd["call"], r.treeopsd["parent_call"]) == (0, 2, 0)
+    return 1.0 if session.endswith("/m0") else 0.0
 
 
 def test_a_side_call_is_sampled_and_stored_linked_not_refused(kb, tmp_path):
     trees, sampler = grow(kb, judged_harness, ["j0"], shape=(2, 0))
-    assert "external/context_mismatch" not in sampler.stats  # was a 409 that dropped every episode
+    stats = sampler.external.stats
+    assert "external/context_mismatch" not in stats  # was a 409 that dropped every episode
     [main, side] = trees
-    assert main.num_leaves == 2 and sampler.stats["external/episodes_stored"] == 2
+    assert main.num_leaves == 2 and stats["external/episodes_stored"] == 2
     calls = json.loads(main.meta["calls"])
     assert calls == {k: [[0, None], [1, None], [0, 0]] for k in ("j0/m0", "j0/m1")}
-    # both judges had the same prompt: one side tree, a leaf each, the episode's reward
+    # both judges had the same prompt: one side tree, a leaf each, the episode's reward (1 and 0: a signal)
     assert (side.tree_id, side.prompt_id, side.meta["episode_tree"]) == ("j0/side0", main.prompt_id, "j0")
     links = json.loads(side.meta["links"])
-    assert [(x["session"], x["segment"], x["after_call"], x["main_turns"]) for x in links] == [
-        ("j0/m0", 1, 0, 1),
-        ("j0/m1", 1, 0, 1),
+    assert [(x["session"], x["conversation"], x["first_call"]) for x in links] == [
+        ("j0/m0", 1, 1),
+        ("j0/m1", 1, 1),
     ]
-    assert [side.nodes[i].reward for i in side.leaves] == [1.0, 1.0]
+    assert [side.nodes[i].reward for i in side.leaves] == [1.0, 0.0]
     with ReplayStore(tmp_path / "store") as store:
         store.put_raw(trees)
     assert verify_store(tmp_path / "store").ok
 
 
-def test_side_calls_excluded_are_served_and_counted_not_stored(kb):
-    trees, sampler = grow(kb, judged_harness, ["e0"], shape=(2, 0), side_calls="exclude")
-    assert [t.tree_id for t in trees] == ["e0"] and trees[0].num_leaves == 2
-    assert sampler.stats["external/side_calls"] == 2 and sampler.stats["external/side_trees"] == 0
+def same_judged(task, base_url, session):
+    judged_harness(task, base_url, session)
+    return 1.0
 
 
-def test_the_example_agent_in_its_own_process_grows_linked_trees(kb, tmp_path):
+@pytest.mark.parametrize(("side_calls", "stored"), [("train", 0), ("all", 1), ("exclude", 0)])
+def test_side_trees_without_signal_are_counted_not_stored_unless_asked(kb, side_calls, stored):
+    """Equal rewards: the judges' side tree has z = 0 at every leaf. `train` leaves it out (counted),
+    `all` stores it, `exclude` stores no side tree at all."""
+    trees, sampler = grow(kb, same_judged, ["e0"], shape=(2, 0), side_calls=side_calls)
+    assert [t.tree_id for t in trees] == ["e0", *(["e0/side0"] * stored)] and trees[0].num_leaves == 2
+    stats = sampler.external.stats
+    assert (stats["external/side_calls"], stats["external/side_trees"]) == (2, stored)
+    assert stats["external/side_trees_skipped"] == 1 - stored
+
+
+def test_the_example_agent_in_its_own_process_compacts_and_branches_after_it(kb, tmp_path):
+    """examples/remote_agent.py searches twice, asks for a summary (a side call: this scripted model writes
+    a tool call, so the summary is empty and feeds nothing), then compacts its history to the question and
+    goes on in a new conversation: search, search, answer. The episode's line is the 2 main calls and the
+    3 compacted ones (5 calls, the compacted start a restart): N = 1 anchor per trunk anywhere on it."""
     env, protocol, tok = kb
     tasks = env.tasks("train", n=2)
     sampler = external_sampler(TwoSearches(tok, tasks), env, protocol, queued, shape=(2, 1), token="tk")
@@ -154,23 +170,26 @@ def test_the_example_agent_in_its_own_process_grows_linked_trees(kb, tmp_path):
         sampler.close()
         proc.wait(timeout=60)
     mains = [t for t in trees if t.meta["source"] == "external"]
-    sides = [t for t in trees if t.meta["source"] == "external-side"]
-    # main: search, search (then compacted); one anchor k = 1 per trunk: M·(1+N) = 4 leaves of depth 2
-    assert [t.num_leaves for t in mains] == [4, 4] and {
-        t.nodes[i].depth for t in mains for i in t.leaves
-    } == {2}
-    for m in mains:  # per session: 2 main calls, the summary (segment 1), the compacted 3 turns (segment 2)
-        calls = json.loads(m.meta["calls"])
-        assert len(calls) == 4 and all(
-            c == [[0, None], [0, 0], [1, None], [2, None], [2, 3], [2, 4]] for c in calls.values()
+    assert [t.num_leaves for t in mains] == [4, 4] and proc.returncode == 0
+    after = 0
+    for m in mains:
+        calls = json.loads(m.meta["calls"])  # per trunk: 2 main calls, the summary, the 3 compacted ones
+        assert all(
+            c == [[0, None], [0, 0], [1, None], [2, None], [2, 3], [2, 4]]
+            for k, c in calls.items()
+            if "/m" in k
         )
-    # every session's summary had the same prompt, so had its compacted start: 2 side trees per tree, 4 leaves
-    assert sorted(t.tree_id for t in sides) == ["r0/side0", "r0/side1", "r1/side0", "r1/side1"]
-    assert all(t.num_leaves == 4 and t.meta["episode_tree"] == t.tree_id.split("/")[0] for t in sides)
-    compacted = [t for t in sides if t.tree_id.endswith("side1")]
-    for t, m in zip(compacted, mains, strict=True):  # each leaf: the reward of its episode's main leaf
-        assert sorted(t.nodes[i].reward for i in t.leaves) == sorted(m.nodes[i].reward for i in m.leaves)
-    assert sampler.stats["external/side_calls"] == 2 * 4 * 4 and proc.returncode == 0
+        anchors = json.loads(m.meta["anchors"])  # per branch: its anchor's call, conversation, context
+        assert len(anchors) == 2 and all(a["call"] in (1, 3, 4, 5) for a in anchors.values())
+        where = {a["call"]: (a["conversation"], a["context"]) for a in anchors.values()}
+        assert all(w == ((0, 0) if call == 1 else (2, 1)) for call, w in where.items())
+        after += sum(a["context"] == 1 for a in anchors.values())
+        for leaf in (int(x) for x in m.leaves):  # every episode's compacted turns sit under a restart
+            runs = m.context_runs(leaf)
+            assert len(runs) == 2 and len(runs[1]) == 4  # [restart, search, search, answer]
+        assert m.num_leaves == 4 and m.restarts  # the trunks' restarts (branches from call 3 share one)
+    # anchors at calls 3-5 are turns after the compaction: drawn from rng(0) here, at least one of the 4
+    assert after >= 1
     with ReplayStore(tmp_path / "store") as store:
         store.put_raw(trees)
     assert verify_store(tmp_path / "store").ok

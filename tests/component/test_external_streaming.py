@@ -41,7 +41,7 @@ def harness_for(stream, seen):
     """The example's loop, streamed or not; keeps per session each reply's message and log-probs."""
 
     def run(task, base_url, session):
-        c = openai.OpenAI(base_url=base_url, api_key="none", default_headers={"X-Session-Id": session})
+        c = openai.OpenAI(base_url=base_url, api_key=task["api_key"])
         msgs = [
             {"role": "system", "content": task["system_prompt"]},
             {"role": "user", "content": task["question"]},
@@ -91,7 +91,7 @@ def test_streamed_replies_store_what_the_non_streamed_ones_store(kb):
             trees = sampler.sample_trees(tasks, np.random.default_rng(0), ["t0", "t1"])
         finally:
             sampler.close()
-        out[stream] = ([stored(t) for t in trees], seen, sampler.stats)
+        out[stream] = ([stored(t) for t in trees], seen, sampler.external.stats)
     (plain, plain_seen, plain_stats), (streamed, streamed_seen, streamed_stats) = out[False], out[True]
     assert [len(t[2]) for t in plain] == [6, 6]  # 2 trunks × 2 turns + 2 branches × 1 fresh turn per tree
     assert streamed == plain  # the same tokens, log-probs, observations, parents and rewards
@@ -107,7 +107,9 @@ def test_the_events_are_openai_chunks_then_done(kb):
 
     def harness(task, base_url, session):
         body = {"messages": [{"role": "user", "content": task["question"]}], "stream": True}
-        got["r"] = httpx.post(f"{base_url}/chat/completions", json=body, headers={"X-Session-Id": session})
+        got["r"] = httpx.post(
+            f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {task['api_key']}"}
+        )
         return 1.0
 
     sampler = external_sampler(ToolScript(tok, tasks), env, protocol, harness, shape=(1, 0))

@@ -51,7 +51,10 @@ def test_example_harness_grows_full_trees_that_pass_store_verify(kb, tmp_path, m
     trees, sampler = grow(kb, example.run_episode, shape=(2, 2))
     # every trunk searches then answers: T = 2, one anchor (k = 1) drawn N = 2 times → M·(1+N) = 2·3 leaves
     assert [t.num_leaves for t in trees] == [6, 6]
-    assert sampler.stats["external/branches"] == 8 and "external/branches_refused" not in sampler.stats
+    assert (
+        sampler.external.stats["external/branches"] == 8
+        and "external/branches_refused" not in sampler.external.stats
+    )
     for key, rs in replies.items():
         if "/b" not in key:
             continue
@@ -83,13 +86,19 @@ def test_non_deterministic_harness_gets_its_branches_refused_and_counted(kb):
     trees, sampler = grow(kb, noisy_harness, shape=(2, 1))
     assert [t.num_leaves for t in trees] == [2, 2]  # the trunks only: no branch stored
     # 2 trees × 2 trunks × N = 1: 4 branches planned, each refused at its anchor's observation
-    assert sampler.stats["external/branches"] == 4 and sampler.stats["external/branches_refused"] == 4
-    assert sampler.stats["external/context_mismatch"] == 4 and sampler.stats["external/episodes_stored"] == 4
+    assert (
+        sampler.external.stats["external/branches"] == 4
+        and sampler.external.stats["external/branches_refused"] == 4
+    )
+    assert (
+        sampler.external.stats["external/context_mismatch"] == 4
+        and sampler.external.stats["external/episodes_stored"] == 4
+    )
 
 
 def think_dropping_harness(task, base_url, session):
     """Sends its history back without the `<think>` blocks (as some chat templates and harnesses do)."""
-    c = example.OpenAI(base_url=base_url, api_key="none", default_headers={"X-Session-Id": session})
+    c = example.OpenAI(base_url=base_url, api_key=task["api_key"])
     msgs = [
         {"role": "system", "content": task["system_prompt"]},
         {"role": "user", "content": task["question"]},
@@ -108,13 +117,16 @@ def think_dropping_harness(task, base_url, session):
 def test_a_history_without_its_think_blocks_is_refused(kb):
     trees, sampler = grow(kb, think_dropping_harness, n_tasks=1, shape=(2, 1), think=True)
     assert trees == [] and sampler.dropped_trees == 1  # both trunks refused: nothing of the tree is stored
-    assert sampler.stats["external/context_mismatch"] == 2 and sampler.stats["external/episodes_dropped"] == 2
+    assert (
+        sampler.external.stats["external/context_mismatch"] == 2
+        and sampler.external.stats["external/episodes_dropped"] == 2
+    )
 
 
 def failing_harness(task, base_url, session):
     """Per trunk: m0 raises, m1 hangs, m2 returns no reward, m3 posts one, m4 returns a non-number; each
     after one good turn."""
-    c = example.OpenAI(base_url=base_url, api_key="none", default_headers={"X-Session-Id": session})
+    c = example.OpenAI(base_url=base_url, api_key=task["api_key"])
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": task["question"]}])
     m = session.rsplit("/m", 1)[1]
     if m == "0":
@@ -122,7 +134,11 @@ def failing_harness(task, base_url, session):
     if m == "1":
         time.sleep(3.0)
     if m == "3":
-        httpx.post(f"{base_url}/reward", json={"reward": 0.75}, headers={"X-Session-Id": session})
+        httpx.post(
+            f"{base_url}/reward",
+            json={"reward": 0.75},
+            headers={"Authorization": f"Bearer {task['api_key']}"},
+        )
     return "high" if m == "4" else None
 
 
@@ -130,7 +146,7 @@ def test_failing_harnesses_cost_their_own_episode_only(kb):
     trees, sampler = grow(kb, failing_harness, n_tasks=1, shape=(5, 0), timeout_s=1.0, reward_timeout_s=0.3)
     [tree] = trees
     assert tree.num_leaves == 1 and tree.nodes[1].reward == 0.75  # m3, rewarded through POST /v1/reward
-    s = sampler.stats
+    s = sampler.external.stats
     assert (s["external/harness_errors"], s["external/harness_timeouts"], s["external/no_reward"]) == (
         1,
         1,

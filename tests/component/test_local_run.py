@@ -54,3 +54,35 @@ def test_a_held_back_sampler_samples_every_batch_eta_versions_late(tmp_path, tin
         assert run.history[-1]["mismatch/tokens_lag2"] > 0 and run.history[-1]["mismatch/k3_lag2"] > 0
     finally:
         run.close()
+
+
+def test_a_drift_bound_takes_the_lag_back_and_a_loose_one_does_not(tmp_path, tiny_model_dir, monkeypatch):
+    # store.max_turn_kl (docs/algorithm.md §11.1): after each step the learner turns the measured turn KL
+    # into the lag the samplers may run at (system/staleness.py drift_lag, its arithmetic tested in
+    # tests/unit/test_drift_metrics.py) and the in-process samplers follow it. A loose bound (1e9) keeps the
+    # held-back sampler's lags [0, 1, 2, 2] (the test above); a bound that admits no lag — drift_lag made to
+    # answer 0, since the measured drift of these steps is rounding noise near 1e-12 — samples every batch
+    # with the newest weights from the second step on.
+    import learner.learner as learner_module
+
+    calls = []
+    base = [*SMALL, "run.mode=sync", "run.sampler_lag=2", "algo.proximal=step_start"]
+    for bound, lags, limit in ((1e9, [0.0, 1.0, 2.0, 2.0], 2.0), (0.3, [0.0, 0.0, 0.0, 0.0], 0.0)):
+        if limit == 0.0:
+            monkeypatch.setattr(learner_module, "drift_lag", lambda *args: calls.append(args) or 0)
+        cfg = load_config(
+            overrides=[f"run.run_dir={tmp_path / str(bound)}", *base, f"store.max_turn_kl={bound}"]
+        )
+        run = build_local_run(cfg, tiny_model_dir)
+        try:
+            got = [run.step() for _ in range(4)]
+        finally:
+            run.close()
+        assert [m["weights/version_lag"] for m in got] == lags
+        assert all(m["store/lag_limit"] == limit for m in got) and all(
+            m["correction/turn_kl"] >= 0 for m in got
+        )
+    # what the learner asked: eta 2, the step's measured turn KL, the batch's mean lag, the bound
+    assert [(eta, kl, lag, b) for eta, kl, lag, b in calls] == [
+        (2, m["correction/turn_kl"], m["weights/version_lag"], 0.3) for m in got
+    ]

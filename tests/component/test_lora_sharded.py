@@ -1,9 +1,9 @@
-"""LoRA on the sharded learner (learner/lora_sharded.py): 2 `ShardedLearner` ranks (FSDP2, gloo, each a fresh
+"""LoRA on the sharded learner (learner/lora_sharded.py): 2 `sharded_learner` ranks (FSDP2, gloo, each a fresh
 `python -m benchmarks.learner_ranks` process, as tests/component/test_sharded_distributed.py runs them) train,
 publish and checkpoint a LoRA run as the one-process LoRA `Learner` computed here does on the same trees, and
 their DCP checkpoint resumes exactly. Two multi-process launches in all: one run of 2 steps (checkpoint after
 the first, everything dumped after each), shared by the tests (`sharded`), and one resume; a one-rank LoRA
-checkpoint (format 1) resumes on a `ShardedLearner` of a 1-rank process group in this process."""
+checkpoint (format 1) resumes on a `sharded_learner` of a 1-rank process group in this process."""
 
 import json
 import os
@@ -21,7 +21,7 @@ from configs.schema import parse_config, to_dict
 from learner import lora
 from learner.distributed import init_process_group
 from learner.learner import Learner
-from learner.sharded import ShardedLearner
+from learner.sharded import sharded_learner
 from storage.checkpoint import load_latest
 from storage.dcp_checkpoint import adapter_tensors, full_model_tensors
 
@@ -214,7 +214,7 @@ def scaled_base(model_dir):
 
 def test_one_rank_lora_checkpoint_resumes_on_a_sharded_learner(tmp_path, tiny_model_dir):
     """Format 1 (a one-process LoRA run's: merged model.safetensors, the adapter in lora.safetensors) into a
-    `ShardedLearner` (FSDP2 DTensors over a 1-rank gloo group in this process): the adapter and AdamW's
+    `sharded_learner` (FSDP2 DTensors over a 1-rank gloo group in this process): the adapter and AdamW's
     moments alone, exactly, and the next step as one process's; another base refused in one line."""
     cfg = lora_cfg(tmp_path / "run")
     plain, tok = load_tiny(tiny_model_dir)
@@ -229,7 +229,7 @@ def test_one_rank_lora_checkpoint_resumes_on_a_sharded_learner(tmp_path, tiny_mo
     with mock.patch.dict(os.environ):  # init_process_group sets MASTER_ADDR, RANK, ...: put back after
         init_process_group(0, 1, "127.0.0.1", port, 60.0, torch.device("cpu"))
         try:
-            sharded = ShardedLearner(load_tiny(tiny_model_dir)[0], cfg)
+            sharded = sharded_learner(load_tiny(tiny_model_dir)[0], cfg)
             assert sharded.restore(tmp_path / "run").step == 1 and sharded.version == 1
             restored = sharded.model.state_dict()
             assert restored.keys() == saved.keys()
@@ -239,7 +239,7 @@ def test_one_rank_lora_checkpoint_resumes_on_a_sharded_learner(tmp_path, tiny_mo
             got = {k: v.full_tensor() for k, v in adapters(sharded.model.state_dict()).items()}
             assert rel_gap(got, adapters(snapshot(one.model))) <= 1e-6
 
-            foreign = ShardedLearner(scaled_base(tiny_model_dir), cfg)
+            foreign = sharded_learner(scaled_base(tiny_model_dir), cfg)
             with pytest.raises(lora.LoraError) as info:
                 foreign.restore(tmp_path / "run")
             kept, live = lora.base_fingerprint(plain), lora.base_fingerprint(foreign.model)

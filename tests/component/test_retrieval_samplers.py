@@ -1,4 +1,4 @@
-"""4 samplers share one retrieval service: each built by `build_sampler` with `env.retriever = service`
+"""4 samplers share one retrieval service: each built by `make_sampler` with `env.retriever = service`
 (no index of its own), sampling trees at the same time; when the service goes away, searches become
 tool-error observations counted in `env/retrieval_errors` and the samplers keep producing trees."""
 
@@ -11,9 +11,10 @@ import numpy as np
 from actors.envs.retrieval_index import open_index
 from actors.envs.retrieval_server import RetrievalServer
 from actors.envs.search import Bm25Index
-from actors.sampler_setup import build_sampler, load_tokenizer
+from actors.sampler_setup import load_tokenizer
 from actors.tree_sampler import TreeSampler
 from configs.schema import load_config
+from runtime.builder import make_sampler
 from runtime.retrieval_actor import service_corpus
 from tests.fakes import ScriptedBackend
 
@@ -56,7 +57,7 @@ def test_four_samplers_share_one_service(tmp_path, tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     samplers = []
     for i in range(4):
-        sampler = build_sampler(cfg, tiny_model_dir, i, backend=ScriptedBackend(tokenizer))
+        sampler = make_sampler(cfg, tiny_model_dir, i, backend=ScriptedBackend(tokenizer))
         sampler.backend = _scripted(tokenizer, sampler.tasks, seed=i)
         assert not isinstance(sampler.env.index, Bm25Index)  # nothing indexed in the sampler
         samplers.append(sampler)

@@ -1,18 +1,18 @@
 """A built sampler's start-up heap (engine, model, env, index) is out of the garbage collector's full
-collections (actors/heap.py): `build_sampler` freezes it."""
+collections (actors/heap.py): `runtime/builder.py:make_sampler` freezes it (both wirings)."""
 
 from __future__ import annotations
 
 import gc
 
-from actors.sampler_setup import build_sampler
 from configs.schema import load_config
+from runtime.builder import make_sampler
 
 
-def test_build_sampler_freezes_the_backend_it_built(tiny_model_dir: str) -> None:
+def test_make_sampler_freezes_the_backend_it_built(tiny_model_dir: str) -> None:
     cfg = load_config(overrides=["sampler.backend=hf", "logging.progress=false"])
     before = gc.get_freeze_count()
-    sampler = build_sampler(cfg, tiny_model_dir)
+    sampler = make_sampler(cfg, tiny_model_dir)
     try:
         model = sampler.backend.model  # type: ignore[attr-defined]
         assert gc.get_freeze_count() > before

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.policy.hf_backend import HFBackend
-from actors.sampler_setup import build_sampler
 from configs.schema import load_config
 from learner.learner import Learner
+from runtime.builder import make_sampler
 from system.credit import credit_rollout_tree
 from system.policy import SamplingConfig
 
@@ -29,7 +29,7 @@ def sampling_config(temperature: float, top_p: float, top_k: int, max_turn_token
 def sampled_trees(model_dir: str, temperature: float, top_p: float, top_k: int, n: int = 4):
     cfg = sampling_config(temperature, top_p, top_k)
     backend = HFBackend(model_dir, sampling=SamplingConfig.of(cfg.sampler, seed=3))
-    trees = build_sampler(cfg, model_dir, backend=backend).sample(n)
+    trees = make_sampler(cfg, model_dir, backend=backend).sample(n)
     return cfg, [credit_rollout_tree(t, cfg.algo) for t in trees]
 
 

@@ -1,4 +1,4 @@
-"""The sharded learner in plain processes (no Ray): 2 `ShardedLearner` ranks (FSDP2, gloo on the CPU, each a
+"""The sharded learner in plain processes (no Ray): 2 `sharded_learner` ranks (FSDP2, gloo on the CPU, each a
 fresh `python -m benchmarks.learner_ranks` process) train the same step as the one-process `Learner` computed
 here on the same trees; their DCP checkpoint resumes with 1 rank (in this process) and with 2, and exports
 to an HF folder that scores the trees as the reference does. tests/ray/test_learner_group.py runs the same

@@ -305,8 +305,8 @@ def test_learner_scores_vllm_trees_under_their_sampling_distribution(
     `learner/mismatch_kl` on vLLM-sampled trees at the same weights is below 1e-3 at three settings."""
     from transformers import AutoModelForCausalLM
 
-    from actors.sampler_setup import build_sampler
     from learner.learner import Learner
+    from runtime.builder import make_sampler
     from system.credit import credit_rollout_tree
     from system.policy import SamplingConfig
     from tests.component.test_sampling_consistency import sampling_config
@@ -314,7 +314,7 @@ def test_learner_scores_vllm_trees_under_their_sampling_distribution(
     cfg = sampling_config(temperature, top_p, top_k, max_turn_tokens=12)
     saved, vllm_backend.sampling = vllm_backend.sampling, SamplingConfig.of(cfg.sampler, seed=5)
     try:
-        trees = build_sampler(cfg, str(tiny_model_dir), backend=vllm_backend).sample(4)
+        trees = make_sampler(cfg, str(tiny_model_dir), backend=vllm_backend).sample(4)
     finally:
         vllm_backend.sampling = saved
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32")

@@ -45,10 +45,10 @@ def setup(tok):
 
 
 def sharded(model, tok, **learner_keys):
-    from learner.sharded import ShardedLearner
+    from learner.sharded import sharded_learner
 
     cfg = config(learner={"minibatches": 1, "ranks": 1, **learner_keys}, **GPU)
-    return ShardedLearner(copy.deepcopy(model), cfg, tokenizer=tok)
+    return sharded_learner(copy.deepcopy(model), cfg, tokenizer=tok)
 
 
 def test_fsdp2_fp32_step_on_cuda_equals_the_plain_learner(group, setup, tok):

@@ -8,9 +8,10 @@ import signal
 
 import pytest
 
-from runtime.driver import Driver, _tag, start_topology, stop_topology
+from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
 from storage.store_verify import verify_store
+from system.roles import SamplerRole, StoreRole
 from tests.ray.test_train_e2e import pids, small_cfg, trained_lags
 from tests.waiting import wait_until
 
@@ -26,33 +27,30 @@ def test_a_sampler_killed_holding_a_reservation_gives_it_back_and_keeps_its_tree
     overrides = {"sampler.num_samplers": 1, "sampler.prompts_per_request": n, "store.eta": 50}
     cfg = small_cfg(tmp_path, **overrides)
     topo = start_topology(cfg, tiny_model_dir)
-    stats = lambda: ray.get(topo.store.stats.remote())  # noqa: E731
+    stats = lambda: ray.get(topo.store.call(StoreRole.stats))  # noqa: E731
     try:
         driver = Driver(cfg, topo, MemorySink())  # driven by hand below: one sampler call at a time
         # the sampler's constructor may still be loading (CI runs the other test lanes beside this one)
         ((victim, pid),) = wait_until(lambda: pids(topo), timeout_s=300, interval_s=1).items()
 
-        manager = topo.manager
-
         def idle() -> bool:  # the call in flight has returned
             driver._collect_samplers()
-            return manager.num_outstanding_async_reqs() == 0
+            return topo.samplers_busy() == 0
 
         def failure_seen() -> bool:
             driver._collect_samplers()
-            return driver.sampler_failures == 1
+            return driver.ft.sampler_failures == 1
 
         driver._tick_samplers()  # a first call, left to commit its n trees
         wait_until(idle, timeout_s=120)
         # The second, started without the driver's collection (which waits 50 ms for results: longer than
         # the call); the store admits it within milliseconds and it samples for ~0.1 s.
         kwargs = {"n": n, "min_version": 0, "wait_s": cfg.weights.sync_wait_s}  # as the driver asks
-        call = {"kwargs": kwargs, "remote_actor_ids": [victim]}
-        manager.foreach_actor_async("sample_and_commit", _tag(victim), **call)
+        topo.sample(SamplerRole.sample_and_commit, kwargs)  # on the one sampler, the victim
         held = wait_until(
             lambda: (s := stats())["admission"]["reserved"] > 0 and s, timeout_s=120, interval_s=0.001
         )
-        committed = set(ray.get(topo.store.tree_ids.remote()))  # the victim's first call's trees
+        committed = set(ray.get(topo.store.call(StoreRole.tree_ids)))  # the victim's first call's trees
         assert len(committed) == n
         os.kill(pid, signal.SIGKILL)  # inside sample_and_commit: between admit and put_raw
         assert held["admission"]["reserved"] == n  # admitted in full
@@ -61,12 +59,12 @@ def test_a_sampler_killed_holding_a_reservation_gives_it_back_and_keeps_its_tree
         assert after["admission"]["reserved"] == 0  # the driver gave the dead call's reservation back
         # Nothing the victim committed is lost; the killed call added either nothing or its whole commit
         # (had its put_raw returned just before the kill, it would have used the reservation up itself).
-        assert committed <= set(ray.get(topo.store.tree_ids.remote()))
+        assert committed <= set(ray.get(topo.store.call(StoreRole.tree_ids)))
         assert after["trees"]["total"] - held["trees"]["total"] in (0, n)
         assert driver.run(3)["steps"] == 3  # Ray restarts the sampler; training goes on
 
         def restarted() -> bool:  # the same actor, answering from a new process (a restart loads torch)
-            manager.probe_unhealthy_actors(timeout_seconds=5, mark_healthy=True)
+            topo.sampler_results(timeout_s=5)  # RLlib's health probe of the unhealthy ones
             return pids(topo).get(victim) not in (None, pid)
 
         wait_until(restarted, timeout_s=300, interval_s=1)

@@ -4,11 +4,15 @@ endpoint's counters reach tensorboard and its requests stay out of the sampler's
 that fails every episode stops the run with one line naming it (issue 47). An agent in a process of its own
 (examples/remote_agent.py) trains, its side calls stored as linked trees (issue 47). The run's `external/*`
 counters, summed over 2 samplers, reach the step line and summary.json exactly; a batch of B main trees
-carries their side trees; an agent in its own process serves 2 samplers from the run's discovery file."""
+carries their side trees; an agent in its own process serves 2 samplers from the run's discovery file. An
+agent with a long context (a sub-agent, a summary, a compaction) trains on (4, 2) trees branched after its
+compaction, no branch refused, its stored log-probs re-scored, only side trees with signal trained (issue
+57)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -17,11 +21,14 @@ import sys
 import pytest
 
 from actors.external.discovery import ENDPOINTS_FILE, read_endpoints
+from actors.external.side import signal
+from actors.policy.hf_backend import HFBackend
 from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink, read_scalars
 from storage.replay_store import ReplayStore
 from storage.store_verify import verify_store
-from tests.cli_runs import ROOT, run_small
+from tests.cli_runs import ROOT, SMALL_RUN, run_small
+from tests.external_fixtures import ending_model_dir, worst_rescore_gap
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -73,6 +80,7 @@ def test_an_agent_in_its_own_process_trains_and_its_side_calls_are_stored_linked
     url = f"http://127.0.0.1:{port}/v1"
     agent = subprocess.Popen([sys.executable, "examples/remote_agent.py", "--url", url], cwd=ROOT)
     queued = ("env.harness=actors.external.remote:queued", f"env.agent_port={port}", *HARNESS[1:])
+    queued = (*queued, "env.side_calls=all")  # the summaries of random text are one-leaf side trees
     try:
         args = ("--run-dir", str(run_dir), "--no-progress", *queued)
         done = run_small("train", "--steps", "3", *args, model_dir=tiny_model_dir, timeout_s=900)
@@ -96,7 +104,7 @@ def test_an_agent_in_its_own_process_trains_and_its_side_calls_are_stored_linked
     assert sides and all(t.meta["episode_tree"] in mains and t.num_leaves <= 4 for t in sides)
     for t in sides:
         sessions = json.loads(mains[t.meta["episode_tree"]].meta["calls"])
-        assert all(x["session"] in sessions and x["segment"] >= 1 for x in json.loads(t.meta["links"]))
+        assert all(x["session"] in sessions and x["conversation"] >= 1 for x in json.loads(t.meta["links"]))
 
 
 def external_cfg(run_dir, **extra):
@@ -115,7 +123,8 @@ def test_the_external_counters_over_two_samplers_reach_the_step_line_and_summary
     dropped T (harness_errors T), side_calls T, side_trees T, requests 2T (m0's two chat calls),
     rejected_requests T, reward_posts 2T, double_rewards T, no_reward 0, and limit_ended = the stored
     episodes whose main turn was cut (finish "truncated")."""
-    cfg = external_cfg(tmp_path, **{"env.harness": "tests.external_fixtures:counted_harness"})
+    counted = {"env.harness": "tests.external_fixtures:counted_harness", "env.side_calls": "all"}
+    cfg = external_cfg(tmp_path, **counted)  # all: m0's judge is a side tree of one leaf
     topo = start_topology(cfg, tiny_model_dir)
     try:
         driver = Driver(cfg, topo, MemorySink())
@@ -199,3 +208,42 @@ def test_an_agent_in_its_own_process_serves_two_samplers_from_the_discovery_file
     # every episode was the agent's (the queued harness waits for it): trees of both samplers' endpoints
     assert {t.tree_id.split("-")[0] for t in mains} == {"s0", "s1"}
     assert verify_store(tmp_path / "store").ok
+
+
+@pytest.fixture(scope="module")
+def ending_model(tmp_path_factory):
+    return ending_model_dir(tmp_path_factory.mktemp("ending-model"))
+
+
+def test_a_compacting_agent_with_a_sub_agent_trains_on_4_2_trees(tmp_path, ending_model):
+    """tests/external_fixtures.py:long_context_harness (a sub-agent whose reply feeds the main conversation,
+    a summary, a compaction, a judge and a title) on a tiny model whose turns end, (M, N) = (4, 2), 3 steps:
+    no branch refused; anchors after the compaction; the turns the first weights sampled re-score to their
+    stored log-probs; each step trains B = 2 episode trees and only the side trees that carry signal."""
+    run_dir = tmp_path / "long"
+    harness = ("env.harness=tests.external_fixtures:long_context_harness", *HARNESS[1:])
+    args = ("train", "--steps", "3", "--run-dir", str(run_dir), "--no-progress", *harness)
+    cmd = [sys.executable, "-m", "launch.cli", *args, f"model.path={ending_model}", *SMALL_RUN]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [*cmd, "algo.M=4", "algo.N=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ext = summary["external"]
+    assert summary["steps"] == 3 and ext["branches"] > 0 and ext.get("branches_refused", 0) == 0, ext
+    assert ext["compactions"] > 0 and ext["side_trees_skipped"] > 0  # the titles: one leaf each
+    with ReplayStore(run_dir / "store", create=False, readonly=True) as store:
+        trees = {t.tree_id: t for t in store.get_trees(store.tree_ids())}
+        batches = [store.batch_tree_ids(k) for k in range(3)]
+    mains = [t for t in trees.values() if t.meta["source"] == "external"]
+    anchors = [a for t in mains for a in json.loads(t.meta["anchors"]).values()]
+    assert sum(a["context"] >= 1 for a in anchors) >= 3  # branched after a compaction, counted
+    assert all(t.restarts for t in mains) and all(len(t.children[0]) == 4 for t in mains)
+    backend = HFBackend(ending_model)  # the weights of version 0
+    assert worst_rescore_gap(mains, backend.score, version=0) <= 3e-5
+    scalars = read_scalars(run_dir / "tb")
+    for ids, (_, trained) in zip(batches, scalars["learner/trees"], strict=True):
+        sides = [trees[i] for i in ids if trees[i].meta["source"] == "external-side"]
+        assert len(ids) - len(sides) == 2 and all(signal(t) for t in sides)  # B episode trees + signal
+        assert trained == len(ids)

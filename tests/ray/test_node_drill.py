@@ -93,8 +93,8 @@ def test_ranks_land_node_by_node_with_fake_gpus(gpu_cluster):
 
     from configs.schema import load_config
     from runtime.learner_group import _placement, _rank_bundles
+    from runtime.remote import run_remote
 
-    @ray.remote(num_cpus=0.01, num_gpus=1)
     def where() -> tuple[str, list[int]]:
         return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
 
@@ -103,7 +103,8 @@ def test_ranks_land_node_by_node_with_fake_gpus(gpu_cluster):
     try:
         bundles = _rank_bundles(pg, 1.0)
         strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b) for b in bundles]
-        landed = ray.get([where.options(scheduling_strategy=s).remote() for s in strategies])
+        task = {"num_cpus": 0.01, "num_gpus": 1}
+        landed = [run_remote(where, {**task, "scheduling_strategy": s}) for s in strategies]
     finally:
         remove_placement_group(pg)
     nodes = [node for node, _ in landed]

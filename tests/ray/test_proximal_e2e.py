@@ -19,7 +19,8 @@ STALENESS_TAGS = [*MISMATCH_TAGS, *CORRECTION_TAGS, "tree/truncated_frac", "samp
 def test_the_async_default_step_start_with_token_tis_logs_the_staleness_view(
     ray_cluster, tmp_path, tiny_model_dir
 ):
-    cfg = small_cfg(tmp_path, **{"store.eta": 2})
+    # one sampler: the learner's view of staleness is what is logged (a second sampler cost ~14 CPU-s)
+    cfg = small_cfg(tmp_path, **{"store.eta": 2, "sampler.num_samplers": 1})
     assert (cfg.algo.proximal, cfg.algo.rollout_correction) == ("step_start", "token_tis")  # run.mode = async
     topo = start_topology(cfg, tiny_model_dir)
     sink = TensorboardSink(tmp_path / "tb")

@@ -9,6 +9,7 @@ from test_train_e2e import small_cfg as train_e2e_cfg
 
 from runtime.driver import Driver, start_topology, stop_topology
 from storage.metrics import MemorySink
+from system.roles import RetrievalRole
 
 pytestmark = pytest.mark.ray
 
@@ -35,13 +36,13 @@ def test_training_goes_on_when_the_shared_service_stops(ray_cluster, tmp_path, s
     topo = start_topology(cfg, searching_model)
     sink = MemorySink()
     try:
-        info = ray.get(topo.retrieval.describe.remote())
+        info = ray.get(topo.retrieval.call(RetrievalRole.describe))
         assert info["url"].startswith("http://127.0.0.1:") and info["passages"] == 1140  # the synthetic KB
         assert topo.spec.data["env"]["retriever_url"] == info["url"]  # what every sampler is built from
         driver = Driver(cfg, topo, sink)
         assert driver.run(1)["steps"] == 1
         before = max((v for _, v in sink.series.get("env/retrieval_errors", [])), default=0.0)
-        ray.get(topo.retrieval.stop.remote())  # mid-run: later searches are refused
+        ray.get(topo.retrieval.call(RetrievalRole.stop))  # mid-run: later searches are refused
         summary = driver.run(4)  # at step 1 admission allows 6 trees: trees 7 and 8 search a dead service
         assert summary["steps"] == 4 and summary["sampler_failures"] == 0
     finally:

@@ -1,4 +1,4 @@
-"""A learner past its restart budget stops the run with a message naming it (runtime/supervision.py), on
+"""A learner past its restart budget stops the run with a message naming it (runtime/fault_tolerance.py), on
 local Ray with the tiny model (CPU). The run that heals itself, every role SIGKILLed once and every batch
 trained exactly once, is tests/ray/test_drill_cli.py (`treeopsd drill`)."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from faults.processes import kill_role
+from runtime.decisions import RoleFailed
 from runtime.driver import Driver, start_topology, stop_topology
-from runtime.restart_policy import RoleFailed
 from storage.metrics import MemorySink
 from tests.ray.test_train_e2e import small_cfg as train_e2e_cfg
 
@@ -24,7 +24,8 @@ def small_cfg(run_dir, **extra):
 
 
 def test_a_learner_past_its_budget_stops_the_run_naming_it(ray_cluster, tmp_path, tiny_model_dir):
-    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0})
+    # one sampler: the learner's budget is what is tested (a second sampler's process cost ~14 CPU-s)
+    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0, "sampler.num_samplers": 1})
     topo = start_topology(cfg, tiny_model_dir)
     try:
         driver = Driver(cfg, topo, MemorySink())

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from configs.schema import load_config
+from runtime.decisions import RoleFailed
 from runtime.driver import Driver, start_topology, stop_topology
-from runtime.restart_policy import RoleFailed
 from storage.metrics import MemorySink, TensorboardSink, read_scalars
 from storage.replay_store import ReplayStore
 from storage.store_verify import verify_store
+from system.roles import HostRole, SamplerRole, StoreRole
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.ray
@@ -56,7 +57,7 @@ def small_cfg(run_dir, **extra):
 
 
 def pids(topo):
-    return {r.actor_id: r.get() for r in topo.manager.foreach_actor("pid", timeout_seconds=30) if r.ok}
+    return topo.ask_samplers(HostRole.pid)
 
 
 def trained_lags(store_dir: Path) -> list[list[int]]:
@@ -85,15 +86,15 @@ def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path
         assert summary["steps"] == 4  # training went on while the sampler was down
 
         def restarted() -> dict | None:  # Ray restarts it (max_restarts); wait until it answers again
-            topo.manager.probe_unhealthy_actors(timeout_seconds=5, mark_healthy=True)
+            topo.sampler_results(timeout_s=5)  # RLlib's health probe of the unhealthy ones
             now = pids(topo)
-            return now if victim in now and topo.manager.num_healthy_actors() == 2 else None
+            return now if victim in now and len(topo.healthy_samplers()) == 2 else None
 
         new_pids = wait_until(restarted, timeout_s=300, interval_s=1)  # a restart loads torch and the model
         assert new_pids.get(victim) not in (None, pid)  # the same actor, answering from a new process
-        versions = [r.get() for r in topo.manager.foreach_actor("version", timeout_seconds=60) if r.ok]
+        versions = list(topo.ask_samplers(SamplerRole.version, timeout_s=60).values())
         assert max(versions) >= 2  # samplers applied broadcast weights
-        stats = ray.get(topo.store.stats.remote())
+        stats = ray.get(topo.store.call(StoreRole.stats))
         assert stats["trees"]["consumed"] == 8 and stats["quarantined"] == 0  # 4 batches of B = 2
     finally:
         stop_topology(topo)
@@ -112,13 +113,15 @@ def test_async_topology_trains_and_survives_a_sampler_kill(ray_cluster, tmp_path
 
 def test_learner_kill_then_resume_trains_every_batch_once(ray_cluster, tmp_path, tiny_model_dir):
     ray = ray_cluster
-    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0})  # no restart in the run: --resume does it
+    # no restart in the run: --resume does it; one sampler (the learner is what is killed: the CPU of a
+    # second sampler's two starts is the suite's clock)
+    cfg = small_cfg(tmp_path, **{"run.max_learner_restarts": 0, "sampler.num_samplers": 1})
     topo = start_topology(cfg, tiny_model_dir)
     sink = MemorySink()
     try:
         driver = Driver(cfg, topo, sink)
         driver.run(3)
-        os.kill(ray.get(topo.learner.pid.remote()), signal.SIGKILL)
+        os.kill(ray.get(topo.learner.host(HostRole.pid)), signal.SIGKILL)
         with pytest.raises(RoleFailed, match="the learner failed"):
             driver.run(6)
     finally:

@@ -2,6 +2,8 @@
 pool `train` and a worker in pool `sample`. The topology with `resources.learner.pool=train` and
 `resources.sampler.pool=sample` must put every SamplerActor on the sample node and the LearnerActor on the
 train node (checked through Ray's state API), and `check_pools` must reject a pool that no node provides.
+The sharded learner spans the two nodes: its 2 ranks ask for 2 CPUs each, the head has 2 and the worker 3, so
+the placement group's PACK strategy cannot put both bundles on one node, and they train the one-rank step.
 
 Both nodes advertise 127.0.0.2 (loopback; see launch/cluster.sh for why not 127.0.0.1), each has its own
 --temp-dir and free ports, and teardown stops only the processes this module started (their process groups,
@@ -10,6 +12,7 @@ back afterwards if it was up.
 """
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -21,14 +24,18 @@ import time
 from pathlib import Path
 
 import pytest
+from learner_group_fixtures import batches, group_cfg, reference, start_group, store_with, train
 
 from configs.schema import ConfigError, load_config
+from runtime.roles import stop_learner_group
 from tests.ray.test_train_e2e import small_cfg
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SH = ROOT / "launch" / "cluster.sh"
 NODE_IP = "127.0.0.2"
+RAY_START_TIMEOUT = "The current node timed out during startup"
+WORKER_RESTARTS = 2  # Ray's 30 s ran out for the worker node in 4 of the last 7 fresh-clone suite runs
 
 
 def pool_cfg(run_dir, **extra):
@@ -97,8 +104,11 @@ def log_tail(path: Path, n: int = 3000) -> str:
 class Node:
     """One `launch/cluster.sh head|worker --block` in its own process group (cluster.sh execs `ray start`)."""
 
-    def __init__(self, kind: str, args: list[str], tmp: Path, env: dict[str, str], ray_args=()) -> None:
-        self.kind, self.log = kind, tmp / f"{kind}.log"
+    def __init__(
+        self, kind: str, args: list[str], tmp: Path, env: dict[str, str], ray_args=(), name=""
+    ) -> None:
+        name = name or kind  # the node's log and Ray temp dir (a restarted node gets fresh ones)
+        self.kind, self.log = kind, tmp / f"{name}.log"
         # free ports everywhere, so neither node collides with the other or with another Ray on the machine
         ray_args = [
             "--dashboard-agent-listen-port=0",
@@ -112,7 +122,7 @@ class Node:
             kind,
             *args,
             "--temp-dir",
-            str(tmp / kind),
+            str(tmp / name),
             "--block",
             "--",
             *ray_args,
@@ -125,6 +135,11 @@ class Node:
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
             raise RuntimeError(f"{self.kind} node exited with {self.proc.returncode}:\n{log_tail(self.log)}")
+
+    def timed_out_starting(self) -> bool:
+        """Ray gave up on this node's start: it waits a hard-coded 30 s (ray/_private/node.py) for the raylet
+        to register with the GCS, which 2 loaded cores missed in 3 of the last 5 fresh-clone suite runs."""
+        return self.proc.poll() is not None and RAY_START_TIMEOUT in log_tail(self.log)
 
     def stop(self) -> None:
         """SIGTERM: `ray start --block` stops its node's processes; then SIGKILL what is left of the group."""
@@ -172,21 +187,29 @@ def wait_for_gcs(head: Node, gcs_port: int, timeout_s: float = 60.0) -> None:
         raise TimeoutError(f"head GCS not up in {timeout_s} s:\n{log_tail(head.log)}") from None
 
 
-def wait_for_pools(nodes: list[Node], want: set[str], timeout_s: float = 60.0) -> None:
+def wait_for_pools(nodes: list[Node], want: set[str], restart_worker, timeout_s: float = 120.0) -> None:
+    """Until the pools in `want` are up; a worker node whose start Ray timed out is started again, up to
+    WORKER_RESTARTS times (in a process group of its own, so nothing of the failed try is left once its group
+    is stopped), each with `timeout_s` of its own: the first try had used ~75 s of the first 120 (ci11), and
+    in ci14 the first restart timed out as well."""
     import ray
 
-    def up() -> bool:
+    deadline, restarts = time.monotonic() + timeout_s, 0
+    while True:
         pools = {k for n in ray.nodes() if n["Alive"] for k in n["Resources"] if k.startswith("pool_")}
         if want <= pools:
-            return True
+            return
+        if restarts < WORKER_RESTARTS and nodes[-1].timed_out_starting():
+            nodes[-1].stop()
+            restarts += 1
+            nodes[-1] = restart_worker(name=f"worker-{restarts + 1}")  # a fresh log and temp dir
+            deadline = time.monotonic() + timeout_s
+            print(f"the worker node's start timed out in Ray (its 30 s): started again ({restarts})")
         for node in nodes:
             node.check_alive()
-        return False
-
-    try:
-        wait_until(up, timeout_s, interval_s=0.2)
-    except AssertionError:
-        raise TimeoutError(f"worker node not up in {timeout_s} s:\n{log_tail(nodes[-1].log)}") from None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker node not up in {timeout_s} s:\n{log_tail(nodes[-1].log)}")
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +228,9 @@ def two_nodes():
     mp.delenv("RAY_ADDRESS", raising=False)
     refresh_auth()
     tmp = Path(tempfile.mkdtemp(prefix="tod2n-", dir="/tmp"))  # short: Ray's socket paths live under it
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # A joining node asks the GCS for the head node 20 times, 2 s apart (RAY_NUM_REDIS_GET_RETRIES): in ci12
+    # the loaded head's raylet had not registered 47 s after its GCS was up; the worker exited. 60: ~2 min.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_NUM_REDIS_GET_RETRIES="60")
     gcs_port = free_port()
     nodes: list[Node] = []
     t0 = time.perf_counter()
@@ -218,11 +243,12 @@ def two_nodes():
         print(f"head GCS up in {time.perf_counter() - t0:.1f} s")
         worker_args = ["--address", address, "--pool", "sample=4", "--num-cpus", "3"]
         nodes.append(Node("worker", worker_args, tmp, env))
+        again = functools.partial(Node, "worker", worker_args, tmp, env)
         mp.setenv("RAY_ADDRESS", address)  # init_ray joins the cluster, as `treeopsd train` would
         init_ray()
         mp.delenv("RAY_ADDRESS")
         print(f"driver connected in {time.perf_counter() - t0:.1f} s")
-        wait_for_pools(nodes, {"pool_train", "pool_sample"})
+        wait_for_pools(nodes, {"pool_train", "pool_sample"}, again)
         print(f"two-node cluster at {address} up in {time.perf_counter() - t0:.1f} s")
         yield {"address": address, "tmp": tmp}
     finally:
@@ -253,6 +279,7 @@ def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tm
     from runtime.driver import Driver, start_topology, stop_topology
     from runtime.pools import actor_nodes, check_pools, pool_nodes
     from storage.metrics import MemorySink
+    from system.roles import HostRole
 
     train, sample = pool_node("train"), pool_node("sample")
     assert train != sample and pool_nodes() == {"train": [train], "sample": [sample]}
@@ -265,8 +292,7 @@ def test_samplers_land_on_the_sample_pool_and_the_learner_on_train(two_nodes, tm
         summary = Driver(cfg, topo, MemorySink()).run(1)
         assert summary["steps"] == 1
         # every sampler constructed and answering (one alone may have filled the first batch)
-        alive = [r.ok for r in topo.manager.foreach_actor("pid", timeout_seconds=120)]
-        assert alive == [True, True]
+        assert len(topo.ask_samplers(HostRole.pid, timeout_s=120)) == 2
         where = actor_nodes()  # the state API, served by the dashboard (ray[default])
     finally:
         stop_topology(topo)
@@ -286,3 +312,25 @@ def test_check_pools_rejects_a_pool_no_node_provides(two_nodes, tmp_path):
     with pytest.raises(ConfigError, match=r"resources\.learner = .*num_gpus 1.*no node of pool 'train'"):
         check_pools(pool_cfg(tmp_path, **{"resources.learner.num_gpus": 1}))
     check_pools(pool_cfg(tmp_path, **{"resources.backup.pool": "sample"}))  # any provided pool is fine
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_ranks_on_two_nodes_train_a_step(two_nodes, tmp_path, tiny_model_dir):
+    """In this module, on its cluster: a second two-node cluster cost ~100 CPU-s to start and stop."""
+    from runtime.pools import actor_nodes
+
+    cfg = group_cfg(tmp_path, cpus=2, collective_timeout_s=120.0)
+    ref = reference(tiny_model_dir, cfg)
+    (trees,) = batches(ref.model, ref.tokenizer, 1)
+    store = store_with(tmp_path / "store", trees)
+    group = start_group(cfg, tiny_model_dir, store)
+    try:
+        where = actor_nodes()["LearnerRankActor"]
+        out = train(group)
+    finally:
+        stop_learner_group(group)
+    assert len(set(where)) == 2, where  # one rank per node
+    want = ref.step(trees)
+    assert out["learner/loss"] == pytest.approx(want["learner/loss"], abs=1e-5)
+    assert out["learner/grad_norm"] == pytest.approx(want["learner/grad_norm"], rel=1e-5)

@@ -2,11 +2,12 @@
 exists as written — every named function exists and its body calls the next one — has at most 6 calls, and
 never goes back up a layer.
 
-A link counts only as a call: `name(…)`, `x.name(…)`, `handle.name.remote(…)`, or the method name a Ray
-call or the store client sends as its first argument (`call("train_step")`, `_call("put_raw", …)`,
-`foreach_actor_async("sample_and_commit", …)`). A name that merely appears (`cfg.run`, a string in a
-message) is no call: with it counted, the chain still held after `driver.run(…)` was deleted from
-`launch/cmd_train.py:run`, which the last test here checks can no longer happen."""
+A link counts only as a call: `name(…)`, `x.name(…)`, or the role method a call through Ray names as its
+first argument (`handle.call(BackupRole.run_once, …)`, `group.call(LearnerRole.train_step, …)`,
+`_call(StoreRole.put_raw, …)`, `roles.sample(SamplerRole.sample_and_commit, …)`: runtime/remote.py). A name
+that merely appears (`cfg.run`, a string in a message) is no call: with it counted, the chain still held
+after `driver.run(…)` was deleted from `launch/cmd_train.py:run`, which a test here checks can no longer
+happen."""
 
 import ast
 import itertools
@@ -18,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYER = {"launch": 0, "runtime": 1, "actors": 2, "learner": 2, "storage": 3, "system": 4}
 FUNCTION = ast.FunctionDef | ast.AsyncFunctionDef
 ARROW = re.compile(r"\s*(→|⇢)\s*")
-# the functions that send a call by method name: LearnerGroup.call, RemoteStore._call, the supervisor's
-# store_call, RLlib's FaultTolerantActorManager.foreach_actor(_async)
-BY_NAME = re.compile(r"(^|_)call$|^foreach_actor")
+# a role method named as an argument (`SamplerRole.sample_and_commit`): what a call through Ray reaches
+ROLE_METHOD = re.compile(r"^[A-Z]\w*Role$")
 
 
 def readme_chains() -> dict[str, list[str]]:
@@ -60,11 +60,11 @@ def called_names(node: ast.AST) -> set[str]:
         else:
             called = func.id if isinstance(func, ast.Name) else ""  # "": a call of what a call returned
         names.add(called)
-        if called == "remote" and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute):
-            names.add(func.value.attr)  # `handle.run_once.remote(…)`: the actor's method
-        if BY_NAME.search(called):  # `call("train_step")`, `_call("put_raw", …)`: the first string sent
-            sent = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            names.update(sent[:1])
+        first = (
+            call.args[0] if call.args else None
+        )  # `handle.call(BackupRole.run_once, …)`: the role's method
+        if isinstance(first, ast.Attribute) and ROLE_METHOD.match(getattr(first.value, "id", "")):
+            names.add(first.attr)
     return names
 
 
@@ -132,17 +132,17 @@ def test_a_deleted_call_breaks_its_link_though_the_name_remains():
     assert missing_links(chain, {module: cut}) == [(caller, callee)]
 
 
-def test_a_method_name_sent_counts_only_as_the_first_string_of_a_call_by_name():
+def test_a_role_method_counts_only_as_the_first_argument_of_a_call():
     node = ast.parse(
-        "def f(group, store, log, sup, step):\n"
-        "    group.call('train_step', 'stop')\n"
-        "    sup.store_call(step, 'release', 4)\n"
-        "    store.backup.run_once.remote(64)\n"
-        "    log.info('put_raw', 'sample_and_commit')\n"
-        "    x = store.close\n"
+        "def f(group, store, log, ft, step):\n"
+        "    group.call(LearnerRole.train_step, LearnerRole.stop)\n"
+        "    ft.store.call(StoreRole.release, 4)\n"
+        "    store.backup.call(BackupRole.run_once, 64)\n"
+        "    log.info('put_raw', cfg.sample_and_commit)\n"
+        "    x = StoreRole.close\n"
     ).body[0]
     names = called_names(node)
-    assert names == {"call", "train_step", "store_call", "release", "remote", "run_once", "info"}
+    assert names == {"call", "train_step", "release", "run_once", "info"}
 
 
 def test_no_chain_goes_back_up_a_layer():

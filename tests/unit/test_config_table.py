@@ -63,6 +63,7 @@ BAD = [
     ("algo.method=ppo", r"^algo\.method = 'ppo' is invalid: allowed values are 'treeopsd', 'grpo'"),
     # model, model.tiny
     ("model.warmstart_steps=0", rf"^model\.warmstart_steps = 0 is invalid: {INT1}"),
+    ("model.warmstart_hops=[4, 2]", r"^model\.warmstart_hops = \[4, 2\] is invalid: .*low <= high"),
     ("model.threads=0", rf"^model\.threads = 0 is invalid: {INT1}"),
     ("model.dtype=int8", r"^model\.dtype = 'int8' is invalid: allowed values are 'float32', 'bfloat16'"),
     ("model.path=''", r"^model\.path = '' is invalid: expected a non-empty string or null"),
@@ -95,7 +96,7 @@ BAD = [
     ("env.train_hops=2", r"^env\.train_hops = 2 is invalid: expected a list of 2 integers"),
     ("env.name=wiki", r"^env\.name = 'wiki' is invalid: allowed values are 'synthetic_kb'"),
     ("env.protocol=hermes", r"^env\.protocol = 'hermes' is invalid: allowed values are 'plain', 'qwen3'"),
-    ("env.side_calls=drop", r"^env\.side_calls = 'drop' is invalid: allowed values are 'train', 'exclude'"),
+    ("env.side_calls=drop", r"^env\.side_calls = 'drop' is invalid: allowed values are 'train', 'all'"),
     ("env.enable_thinking=1", r"^env\.enable_thinking = 1 is invalid: expected true or false"),
     ("env.require_search=maybe", r"^env\.require_search = 'maybe' is invalid: expected true or false"),
     # sampler
@@ -173,8 +174,8 @@ BAD = [
     ("logging.tensorboard=0", r"^logging\.tensorboard = 0 is invalid: expected true or false$"),
     (
         "logging.colour=true",
-        r"^unknown key logging\.colour; allowed keys: log_every, mlflow, mlflow_experiment, mlflow_uri, "
-        r"progress, tensorboard, wandb, wandb_project$",
+        r"^unknown key logging\.colour; allowed keys: learner_turns, log_every, mlflow, mlflow_experiment, "
+        r"mlflow_uri, progress, tensorboard, wandb, wandb_project$",
     ),
 ]
 

@@ -69,3 +69,8 @@ def test_render_names_the_claim_and_says_whether_it_holds():
     assert "so the claim for `token_tis` does not hold there" in md
     assert "token_tis's in bucket > 1: 0.300 below the best" in md
     assert "| > 1 | c (2.00) | token_tis | 0.200 | — | -0.3000" in md
+    # its one shortfall (> 1, −0.3 in every batch: se 0, p 0) is named with its test
+    assert "`token_tis` falls short in 1 bucket(s) (> 1: -0.300 ± 0.000 (p = 0.000, " in md
+    assert "1 of them significant at 5 %." in md
+    again = render({**results, "rerendered": {"commit": "def5678", "clean": True, "note": "", "date": "d2"}})
+    assert "60 CPUs" not in again and "1.0 min wall. Re-rendered at commit def5678, d2." in again

@@ -8,7 +8,14 @@ import pytest
 
 from experiments.grid import ExperimentSpecError, load_spec, parse_spec, plan, resolved_config
 from experiments.plot import smooth
-from experiments.report import check_claims, mean_se, render_claims, render_table, rows_summary
+from experiments.report import (
+    check_claims,
+    mean_se,
+    render_claims,
+    render_findings,
+    render_table,
+    rows_summary,
+)
 
 
 def _doc(**over):
@@ -187,6 +194,17 @@ def test_claims_use_paired_per_seed_differences():
     md = render_claims(got)
     row = "| TreeOPSD > GRPO | 3 | +0.060 ± 0.006 (t = 10.39, df 2, p = 0.009): holds | "
     assert row + "+0.030 ± 0.003 (t = 10.39, df 2, p = 0.009): holds |" in md
+    words = render_findings(got, 100)
+    assert "Wins: TreeOPSD over GRPO, +0.060 ± 0.006 (t = 10.39, df 2, p = 0.009)." in words
+    assert "Losses: GRPO over TreeOPSD, -0.060 ± 0.006 (t = -10.39, df 2, p = 0.009)." in words
+    # TreeOPSD - ReAct: +0.0433 ± 0.0617, t(0.975, 2) = 4.303: 0.0433 ± 0.2654 -> [-0.222, +0.309];
+    # seeds for 80 % power: sd 0.1069, ((1.960 + 0.842) * 0.1069 / 0.0433)^2 = 47.9, + 1.96^2 / 2 -> 50
+    assert "No difference shown: TreeOPSD over ReAct, +0.043 ± 0.062 (t = 0.70, df 2, p = 0.555), " in words
+    assert "95 % interval [-0.222, +0.309]; 50 seeds would show a true difference of 0.043; " in words
+    assert "TreeOPSD over rho = 0.25, the same success in each of 3 seeds." in words
+    assert words.index("Wins") < words.index("No difference") < words.index("Losses")
+    assert "Losses: none." in render_findings(got[:1], 100)
+    assert "longer training than 100 learner steps per run." in words
 
 
 def test_results_from_uncommitted_code_are_refused_before_anything_runs(tmp_path, monkeypatch, capsys):

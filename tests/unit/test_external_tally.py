@@ -1,8 +1,8 @@
 """The run's `external/*` counters (issue 47): summed over samplers, cumulative over the run through a
 sampler's restart (its counters start from 0 again) and its retirement; the step line's short form."""
 
-from runtime.driver import step_line
 from runtime.external_tally import ExternalTally
+from runtime.progress import step_line
 
 
 def test_counters_sum_over_samplers_and_survive_restarts_and_retirement():
@@ -26,3 +26,37 @@ def test_the_step_line_carries_the_external_counters_only_when_given():
     base = "step 3/9: reward 0.500, loss 0.2500, learner 2.00 s/step"
     assert step_line(m, 3, 9) == base
     assert step_line(m, 3, 9, "ext 12ep 3side 0drop") == base + ", ext 12ep 3side 0drop"
+
+
+def test_a_sampler_no_agent_serves_is_named_with_its_drops():
+    """Sampler 1 (actor 7) gets no agent: its episodes are dropped as `external/no_agent`, 3 before its
+    restart and 2 after; the step line and summary.json name it, by its index, with the 5 drops."""
+    t = ExternalTally()
+    t.update(3, "s0-a", {"external/episodes": 4.0, "external/sampler_index": 0.0})
+    t.update(
+        7,
+        "s1-a",
+        {
+            "external/episodes": 3.0,
+            "external/episodes_dropped": 3.0,
+            "external/no_agent": 3.0,
+            "external/sampler_index": 1.0,
+        },
+    )
+    t.update(
+        7,
+        "s1-b",
+        {
+            "external/episodes": 2.0,
+            "external/episodes_dropped": 2.0,
+            "external/no_agent": 2.0,
+            "external/sampler_index": 1.0,
+        },
+    )
+    assert t.unserved() == {1: 5}
+    assert t.short() == "ext 9ep 0side 5drop, no agent: sampler 1 (5 drop)"
+    summary = t.summary()
+    assert (summary["no_agent"], summary["no_agent_samplers"]) == (
+        5,
+        {"1": 5},
+    ) and "sampler_index" not in summary

@@ -16,6 +16,7 @@ PACKAGES = (
     "faults",
     "launch",
     "benchmarks",
+    "viewer",
 )
 ROLES = {"configs", "system", "storage", "actors", "learner"}
 # Rule 1: who may import whom (launch, the commands, and benchmarks: anything).
@@ -28,6 +29,7 @@ ALLOWED = {
     "runtime": {*ROLES, "runtime"},  # places, starts, supervises and stops the roles
     "experiments": {*ROLES, "runtime", "experiments"},
     "faults": {*ROLES, "runtime", "faults"},
+    "viewer": {"configs", "system", "storage", "viewer"},  # reads a run's files; launch/cmd_view.py wires it
 }
 ZMQ_FILES = {"learner/weight_publisher.py", "actors/weight_subscriber.py"}  # rule 3
 PURE = ("system", "learner/losses.py")  # rule 5

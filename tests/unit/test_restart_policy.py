@@ -1,5 +1,6 @@
-"""The supervisor's decisions (runtime/restart_policy.py): budgets, backoff, what to restart, the batch audit,
-the resume command and the memory slope of the soak."""
+"""The pure parts around the decisions: the restart backoff and the batch events (runtime/decisions.py,
+faults/audit.py), the resume command (launch/cmd_train.py), the memory slope of the soak
+(faults/processes.py)."""
 
 from __future__ import annotations
 
@@ -7,36 +8,10 @@ import shlex
 
 import pytest
 
-from runtime.restart_policy import (
-    RestartBudget,
-    RoleFailed,
-    backoff_s,
-    batch_audit,
-    catch_up_events,
-    failure_kind,
-    learner_action,
-    resume_command,
-    rss_slope_mb_per_min,
-    trained_batches,
-)
-
-
-def test_budget_counts_restarts_and_names_the_role_and_last_error_when_used_up():
-    budget = RestartBudget("learner", limit=2)
-    assert budget.record("its worker process exited") == 1
-    assert budget.record("OOM") == 2
-    with pytest.raises(RoleFailed) as e:
-        budget.record("segfault")
-    assert str(e.value) == (
-        "the learner failed and its restarts are used up (2 of run.max_learner_restarts = 2); "
-        "last error: segfault"
-    )
-    assert e.value.role == "learner" and budget.used == 2  # the refused one is not counted
-
-
-def test_a_zero_budget_refuses_the_first_restart():
-    with pytest.raises(RoleFailed, match=r"store failed .*0 of run\.max_store_restarts = 0"):
-        RestartBudget("store", limit=0).record("gone")
+from faults.audit import batch_audit, trained_batches
+from faults.processes import rss_slope_mb_per_min
+from launch.cmd_train import resume_command
+from runtime.decisions import backoff_s, catch_up_events
 
 
 def test_backoff_doubles_from_one_second_up_to_the_cap():
@@ -44,22 +19,6 @@ def test_backoff_doubles_from_one_second_up_to_the_cap():
     assert backoff_s(3, base_s=0.5, cap_s=10) == 2.0  # 0.5 · 2²
     with pytest.raises(ValueError, match=r"^attempt counts from 1, got 0$"):
         backoff_s(0)
-
-
-@pytest.mark.parametrize(
-    "task_error, cause_is_actor, kind",
-    [(False, False, "died"), (True, True, "store"), (True, False, "raised"), (False, True, "died")],
-)
-def test_failure_kind(task_error, cause_is_actor, kind):
-    assert failure_kind(task_error, cause_is_actor) == kind
-
-
-@pytest.mark.parametrize(
-    "kind, ranks, action",
-    [("store", 1, "reconcile"), ("store", 2, "restart"), ("died", 1, "restart"), ("raised", 1, "restart")],
-)
-def test_learner_action_keeps_only_a_single_learner_whose_store_was_lost(kind, ranks, action):
-    assert learner_action(kind, ranks) == action
 
 
 def test_a_rewind_undoes_the_batches_after_the_checkpoint():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -139,103 +138,103 @@ def test_the_signature_check_sees_a_mismatch() -> None:
     assert incompatibilities(protocol_methods(PolicyBackend)["evict"], HFBackend.evict) == []
 
 
-# ---- the runtime's calls by name -----------------------------------------------------------------------
-BY_NAME = re.compile(r"(^|_)call$|^foreach_actor")  # LearnerGroup.call, _call, store_call, foreach_actor*
-# which role a call goes to: by the words of its receiver (`self.topo.store`, `group.rank0`, ...); else the
-# role of its module (MODULE_ROLE); else by the words of the function it is in (`store_pid(handle)`)
-ROLE_WORDS = (
-    ("retrieval", "retrieval"),
-    ("store", "store"),
-    ("backup", "backup"),
-    ("learner", "learner"),
-    ("rank0", "learner"),
-    ("group", "learner"),
-    ("manager", "sampler"),
-    ("sampler", "sampler"),
-)
-# the modules that talk to one role only (`self.call("stop")` in LearnerGroup, `self._call` in RemoteStore)
-MODULE_ROLE = {
-    "runtime/learner_group.py": "learner",
-    "runtime/retrieval_actor.py": "retrieval",
-    "storage/replay_store_actor.py": "store",
+# ---- every call on an actor, anywhere in the tree ----------------------------------------------------------
+FOLDERS = ("configs", "system", "storage", "actors", "learner", "runtime", "experiments", "faults", "launch")
+FOLDERS += ("benchmarks", "tools", "examples", "tests")
+ONLY_IN = {  # what may appear in one file of the tree only
+    "ray.remote": "runtime/remote.py",  # the one place an actor class or a task is made
+    ".remote(…)": "runtime/remote.py",  # the one place an actor's method is called: Handle.call
+    "ray.kill": "runtime/roles.py",  # the one place an actor is stopped
+    "start_actor(…)": "runtime/roles.py",
+    "foreach_actor…(…)": "runtime/roles.py",  # RLlib's manager: the sampler pool's owner
+    "FaultTolerantActorManager": "runtime/roles.py",  # the one thing that knows sampler health
 }
-SCANNED = ("runtime/*.py", "storage/replay_store_actor.py")
+PROTOCOLS = {p.__name__: p for p in (*ROLES.values(), HostRole)}
+MANAGER = "FaultTolerantActorManager"
 
 
-def calls_by_name(source: str) -> list[tuple[int, str, str, str]]:
-    """(line, receiver, method, the function it is in) of each call on a role handle by method name."""
-    out = []
-    for function, call in _calls(ast.parse(source), ""):
-        func = call.func
-        if not isinstance(func, ast.Attribute | ast.Name):
-            continue
-        called = func.attr if isinstance(func, ast.Attribute) else func.id
-        if called == "remote" and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute):
-            out.append((call.lineno, ast.unparse(func.value.value), func.value.attr, function))
-        elif BY_NAME.search(called):
-            sent = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            if sent:
-                out.append((call.lineno, ast.unparse(func), sent[0], function))
-    return sorted(out)
-
-
-def _calls(node: ast.AST, function: str) -> list[tuple[str, ast.Call]]:
-    """Every call under `node`, with the name of the innermost function it is in."""
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        function = node.name
-    here = [(function, node)] if isinstance(node, ast.Call) else []
-    return here + [c for child in ast.iter_child_nodes(node) for c in _calls(child, function)]
-
-
-def role_of(receiver: str, function: str, module: str) -> str | None:
-    def by_words(text: str) -> str | None:
-        return next((role for word, role in ROLE_WORDS if word in text.lower()), None)
-
-    return by_words(receiver) or MODULE_ROLE.get(module) or by_words(function)
-
-
-def undeclared(module: str, source: str) -> list[str]:
-    """The calls of `source` whose role is unknown or whose method its role's Protocol does not declare."""
-    host = set(protocol_methods(HostRole))  # every host answers these itself, whatever its role
-    out = []
-    for line, receiver, method, function in calls_by_name(source):
-        role = role_of(receiver, function, module)
-        if role is None:
-            out.append(f"{module}:{line}: {receiver}.{method}: which role? (ROLE_WORDS, MODULE_ROLE)")
-        elif method not in set(protocol_methods(ROLES[role])) | host:
-            out.append(f"{module}:{line}: {receiver}.{method}: not in {ROLES[role].__name__}")
-    return out
-
-
-def runtime_sources() -> dict[str, str]:
-    files = sorted({p for pattern in SCANNED for p in ROOT.glob(pattern)})
+def tree_sources() -> dict[str, str]:
+    files = sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
     return {str(p.relative_to(ROOT)): p.read_text() for p in files}
 
 
-def test_every_method_the_runtime_calls_by_name_is_declared_in_its_role_s_protocol() -> None:
-    sources = runtime_sources()
-    problems = [p for module, source in sources.items() for p in undeclared(module, source)]
-    assert problems == []
-    # the scan sees the calls the README's chains make (it is not vacuously empty)
-    seen = {call[2] for source in sources.values() for call in calls_by_name(source)}
-    assert {"train_step", "sample_and_commit", "run_once", "put_raw", "set_learner_version"} <= seen
+def actor_calls(module: str, source: str) -> list[str]:
+    """Every way `source` reaches an actor that ONLY_IN restricts to one file, and every role method it names
+    (`StoreRole.stats`) that its Protocol does not declare; as `module:line what`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"{module}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and node.module == "ray":
+            out += [f"{where} ray.{a.name}" for a in node.names if a.name in ("remote", "kill")]
+        if (
+            isinstance(node, ast.Attribute)
+            and getattr(node.value, "id", "") == "ray"
+            and node.attr in ("remote", "kill")
+        ):
+            out.append(f"{where} ray.{node.attr}")
+        if getattr(node, "id", getattr(node, "name", None)) == MANAGER:  # a Name, or an imported alias
+            out.append(f"{where} {MANAGER}")
+        if isinstance(node, ast.Call):
+            f = node.func
+            called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if called == "remote" and not (
+                isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "ray"
+            ):
+                out.append(f"{where} .remote(…)")
+            first = node.args[0] if node.args else None
+            if called == "call" and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                out.append(f"{where} a method by name: {first.value}")  # Handle.call takes Role.method
+            if called == "start_actor":
+                out.append(f"{where} start_actor(…)")
+            if called.startswith("foreach_actor"):
+                out.append(f"{where} foreach_actor…(…)")
+        protocol = PROTOCOLS.get(getattr(node.value, "id", "")) if isinstance(node, ast.Attribute) else None
+        if protocol and node.attr not in protocol_methods(protocol) and not node.attr.startswith("_"):
+            out.append(f"{where} {protocol.__name__}.{node.attr}: not declared")
+    return out
 
 
-def test_a_new_undeclared_call_fails_the_scan() -> None:
-    source = (
-        "def tick(self, group, step, manager):\n"
-        "    ray.get(self.topo.store.compact.remote())\n"  # a store method no Protocol declares
-        "    self.topo.learners.call('train_step', 0.05)\n"  # declared
-        "    self.supervisor.store_call(step, 'vacuum')\n"  # undeclared, sent by name
-        "    manager.foreach_actor_async('sample_and_commit', 't')\n"  # declared
-        "    ray.get(self.topo.oracle.ask.remote())\n"  # a handle of no known role
-        "    ray.get(group.rank0.pid.remote())\n"  # the host's own
-    )
-    assert undeclared("runtime/driver.py", source) == [
-        "runtime/driver.py:2: self.topo.store.compact: not in StoreRole",
-        "runtime/driver.py:4: self.supervisor.store_call.vacuum: not in StoreRole",
-        "runtime/driver.py:6: self.topo.oracle.ask: which role? (ROLE_WORDS, MODULE_ROLE)",
-    ]
+def misplaced(calls: list[str]) -> list[str]:
+    """The calls of `actor_calls` outside the one file they may appear in (and every undeclared method)."""
+    bad = []
+    for call in calls:
+        module, what = call.split(":", 1)[0], call.split(" ", 1)[1]
+        if ONLY_IN.get(what) != module:
+            bad.append(call)
+    return bad
+
+
+def test_actors_are_made_called_and_stopped_in_one_place_each_across_the_tree() -> None:
+    calls = [c for module, source in tree_sources().items() for c in actor_calls(module, source)]
+    assert misplaced(calls) == []
+    seen = {c.split(" ", 1)[1] for c in calls}
+    assert seen == set(ONLY_IN)  # the scan sees each of them where it belongs: not vacuously empty
+
+
+def test_an_undeclared_or_misplaced_call_anywhere_fails_the_scan() -> None:
+    """Mutations of real files: each added line is one way around the Protocols, and each is reported."""
+    sources = tree_sources()
+    added = {
+        "runtime/driver.py": [
+            "m = FaultTolerantActorManager([], 1)",  # a second owner of sampler health
+            "ray.get(self.topo.store.actor.compact.remote())",  # a raw call on the actor, by any name
+            "self.topo.store.call(StoreRole.compact)",  # through the handle, a method StoreRole lacks
+            "f = lambda h: h.vacuum.remote()",  # through a lambda
+            "self.topo._pool.foreach_actor('close')",  # the sampler pool by name, outside Roles
+            "self.topo.learners.call('train_step', 0.05)",  # a method by name
+        ],
+        "faults/processes.py": ["ray.kill(handle)"],
+        "benchmarks/bench_pipeline.py": ["from ray import remote", "ray.remote(f)"],
+        "launch/cmd_drill.py": ["ray.get(h.learner.call(LearnerRole.train))"],
+    }
+    for module, lines in added.items():
+        mutated = (
+            sources[module] + "\n\ndef _mutant(self, f, h, handle):\n" + "".join(f"    {x}\n" for x in lines)
+        )
+        before = set(actor_calls(module, sources[module]))
+        new = [c.split(" ", 1)[1] for c in misplaced(actor_calls(module, mutated)) if c not in before]
+        assert len(new) == len(lines), (module, new)
+    assert "StoreRole.compact: not declared" in str(misplaced(actor_calls("x.py", "StoreRole.compact")))
 
 
 def test_a_backend_serves_its_own_turns_only_when_it_is_a_turn_server() -> None:

@@ -1,7 +1,7 @@
 """The metrics line a run prints every `logging.log_every` steps when it shows no progress bar."""
 
 from configs.schema import parse_config
-from runtime.driver import step_line
+from runtime.progress import step_line
 
 
 def test_step_line_by_hand():

@@ -1,0 +1,3 @@
+from kb_tools.taskset import KBToolsTaskset
+
+__all__ = ["KBToolsTaskset"]
