@@ -13,7 +13,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv test browser test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme node-drill horizon-sweep horizon-sweep-quick horizon-ablations horizon-ablations-quick clean
+.PHONY: venv test browser test-fast gpu-check gpu-bench lint format demo bench paper-tune paper-table paper-table-quick staleness-table staleness-table-quick offpolicy-table real-demo readme node-drill horizon-sweep horizon-sweep-quick horizon-ablations horizon-ablations-quick real-table real-table-quick clean
 
 venv: $(STAMP)
 
@@ -138,6 +138,15 @@ horizon-ablations: $(STAMP)
 horizon-ablations-quick: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/horizon_ablations.yaml --quick --jobs 2 --runs-dir $(HORIZON_RUNS)-quick \
 	  $(EXPERIMENT_ARGS)
+
+# The method table on real text (issue 56): the real demo's task, model and LoRA with TreeOPSD (4,2), GRPO (G = 8)
+# and the untrained warm start over 3 seeds, held-out success paired per seed and per question
+# (configs/real_table.yaml); -quick: one seed, 4 steps.
+real-table: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/real_table.yaml --jobs 2 $(EXPERIMENT_ARGS)
+
+real-table-quick: $(STAMP)
+	$(VENV)/bin/treeopsd experiment configs/real_table.yaml --quick --jobs 2 $(EXPERIMENT_ARGS)
 
 # Whole nodes lost mid-run (docs/design.md §14, the node drill): a fake 3-node Ray cluster on this machine,
 # the samplers' node killed at step 3, the store's at 7 and the learner's at 11 of 16;
