@@ -54,7 +54,7 @@ from learner.methods import METHODS
 from learner.minibatch import MinibatchTargets, loss_reference, weighted_tokens
 from learner.packing import PackedBatch
 from learner.parallel_plan import Padding, ParallelPlan, Pass, SingleProcess
-from learner.reference_pass import reference_pass
+from learner.reference_pass import ProximalSums, reference_pass
 from learner.step_plan import micro_inputs, minibatch_groups, select_trees, selection_stats, step_targets
 from learner.turn_record import TurnRecorder
 from storage.checkpoint import Checkpoint, checkpoint_bytes, checkpointed_metrics
@@ -76,6 +76,10 @@ class Learner:
     parallel (None: `SingleProcess`): how the learner spreads over processes (learner/parallel_plan.py); the
     FSDP2 ranks' plan is learner/sharded.py's `Fsdp2Ranks`. The loop below is the same for every plan.
     """
+
+    # algo.proximal = step_start: the first mini-batch's π_prox from its own forward, not the no-grad pass
+    # (False: every mini-batch scored by that pass, the reference the equivalence test compares against)
+    reuse_first_forward = True
 
     def __init__(
         self,
@@ -209,7 +213,7 @@ class Learner:
         forward, its share of the method's loss, backward; then one clipped AdamW step."""
         t0, algo = time.perf_counter(), self.cfg.algo
         warmup_lr(self.optimizer, self._base_lrs, self.version, self.cfg.learner.warmup_steps)
-        batches, targets, stats = self._prepare(trees)
+        batches, targets, stats, prox = self._prepare(trees)
         per_mb: list[dict[str, float]] = []
         for epoch in range(self.cfg.learner.epochs):
             for j, micro in enumerate(batches):
@@ -219,6 +223,8 @@ class Learner:
                 for packed in self._passes(micro):
                     with attention_scope(self.model, packed, self.attention):  # held through backward
                         logp = self.logprobs(packed)
+                        if prox is not None and packed.proximal_logp is None:  # the first mini-batch
+                            packed = prox.add(packed.with_proximal_logp(logp))
                         ref, weights = loss_reference(algo, packed)  # μ or π_prox; the correction
                         loss, st = self.method.loss(algo, packed, logp.float(), ref, weights, targets[j])
                         loss.backward()
@@ -230,7 +236,7 @@ class Learner:
                         self.turns.add(packed, logp, *turn_view, targets[j].tree_ids, targets[j].z, j)
                 per_mb.append(self._optimizer_step(parts))
         self.version += 1
-        stats.update(summarize_minibatches(per_mb))
+        stats.update(summarize_minibatches(per_mb) | (prox.metrics(self.parallel.all_ranks) if prox else {}))
         real = float(sum(isinstance(p, PackedBatch) for micro in batches for p in micro))
         (stats["learner/microbatches"],) = self.parallel.sum_over_ranks([real])  # every rank's, no padding
         stats.update({"learner/step_s": time.perf_counter() - t0, "learner/version": float(self.version)})
@@ -240,20 +246,24 @@ class Learner:
 
     def _prepare(
         self, trees: Sequence[RolloutTree]
-    ) -> tuple[list[list[Pass]], list[MinibatchTargets], dict[str, float]]:
-        """The step's micro-batches (μ recomputed or π_prox attached by one no-grad scoring pass where asked),
-        their targets, and the batch's selection and padding stats."""
+    ) -> tuple[list[list[Pass]], list[MinibatchTargets], dict[str, float], ProximalSums | None]:
+        """The step's micro-batches (μ recomputed or π_prox attached by one no-grad scoring pass where asked;
+        with one epoch the first mini-batch's π_prox is its own forward, `step` attaches it), their targets,
+        the batch's selection and padding stats, and the proximal sums to add that mini-batch to."""
         kept = select_trees(self.cfg.algo, self.method, trees, self.version)
         stats = selection_stats(trees, kept)
         batches, targets = self.plan(trees)
+        prox = None
         if self.cfg.algo.behavior_logprobs == "recompute" or self.proximal:  # one no-grad scoring pass
-            scores, ranks = self._scored(batches), self.parallel.all_ranks
-            batches = reference_pass(self.cfg.algo, batches, scores, self.version, ranks, stats)
+            own = int(self.proximal and self.reuse_first_forward and self.cfg.learner.epochs == 1)
+            scores = [[None] * len(m) for m in batches[:own]] + self._scored(batches[own:])
+            ranks = self.parallel.all_ranks
+            batches, prox = reference_pass(self.cfg.algo, batches, scores, self.version, ranks, stats)
         real = [p for micro in batches for p in micro if isinstance(p, PackedBatch)]  # no padding passes
         bad, total = np.sum(self.parallel.all_ranks(nonfinite_turns(real)), axis=0)  # over every rank
         check_nonfinite_fraction(int(bad), int(total), self.cfg.algo.nonfinite_turn_limit)  # §10: refused
         stats.update(padding_stats([p for micro in batches for p in micro]))
-        return batches, targets, stats
+        return batches, targets, stats, prox
 
     def _pack(self, trees: list[RolloutTree]) -> list[Pass]:
         """This process's passes of one mini-batch, on the learner's device: its token-budget micro-batches,

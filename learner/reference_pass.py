@@ -52,17 +52,19 @@ def reference_pass(
     version: int,
     all_ranks: AllRanks,
     stats: dict[str, float],
-) -> list[list[PackedBatch]]:
-    """The batches with recomputed μ or with π_prox attached (module docstring); `stats` gets the metrics."""
+) -> tuple[list[list[PackedBatch]], ProximalSums | None]:
+    """The batches with recomputed μ (`stats` gets its metrics) or with π_prox attached to every scored
+    micro-batch, and then the ProximalSums whose `metrics` the step reports once every micro-batch is added:
+    a None score is a padding pass, or a pass of the first mini-batch, whose own first forward is π_prox (the
+    weights have not moved yet: learner/learner.py attaches it there, one forward saved)."""
     if algo.behavior_logprobs == "recompute":
-        return _recompute(batches, scores, version, all_ranks, stats)
+        return _recompute(batches, scores, version, all_ranks, stats), None
     sums = ProximalSums(algo, version)
     out = [
         [p if lp is None else sums.add(p.with_proximal_logp(lp)) for p, lp in zip(micro, lps, strict=True)]
         for micro, lps in zip(batches, scores, strict=True)
     ]
-    stats.update(sums.metrics(all_ranks))
-    return out
+    return out, sums
 
 
 def _recompute(

@@ -160,3 +160,44 @@ def test_a_fully_masked_minibatch_takes_no_optimizer_step(tok):
     assert stats["correction/masked_token_frac"] == 1.0
     assert stats["learner/skipped_minibatches"] == 2.0  # both mini-batches (learner.minibatches = 2)
     assert not learner.optimizer.state  # AdamW never stepped
+
+
+@pytest.mark.parametrize("method", ["treeopsd", "grpo"])
+def test_first_minibatch_takes_its_proximal_from_its_own_forward(tok, method):
+    # The weights have not moved when the first mini-batch runs forward, so its π_prox is that forward: the
+    # step that scores every mini-batch in the no-grad pass (reuse_first_forward = False, the reference)
+    # and the step that skips the first mini-batch there give the same weights and the same metrics, with
+    # lags 0, 2, 3 and a correction that clips, over 3 mini-batches.
+    trees = sampled_by(
+        perturbed(on_policy(build_tiny_model(tok, seed=6), make_trees(tok, n=3, seed=9)), 1.0, 3), [3, 1, 0]
+    )
+    cfg = config(
+        algo={"method": method, "proximal": "step_start", "rollout_correction": "token_tis"},
+        learner={"minibatches": 3},
+    )
+    results = []
+    for reuse in (False, True):
+        learner = Learner(build_tiny_model(tok, seed=6), cfg)
+        learner.reuse_first_forward, learner.version = reuse, 3
+        calls = _count_forwards(learner)
+        results.append((learner.step(trees), flat_params(learner.model), len(calls)))
+    (ref, ref_w, ref_calls), (got, got_w, got_calls) = results
+    assert got_calls == ref_calls - 1  # 3 scoring + 3 training forwards, then 2 + 3 (one micro-batch each)
+    assert torch.allclose(got_w, ref_w, atol=1e-6, rtol=0)
+    assert ref["correction/clipped_token_frac"] > 0 and ref["mismatch/tokens_lag2"] > 0
+    for key, value in ref.items():
+        if not key.endswith("_s"):  # timings
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def _count_forwards(learner: Learner) -> list[int]:
+    """A list that grows by one per forward the learner runs (scoring and training alike)."""
+    calls: list[int] = []
+    score = learner.logprobs
+
+    def counted(packed):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return score(packed)
+
+    learner.logprobs = counted  # type: ignore[method-assign]
+    return calls
