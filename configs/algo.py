@@ -29,8 +29,8 @@ class AlgoConfig(Section):
     mask_truncated_turn: StrictBool = False
     behavior_logprobs: Literal["sampler", "recompute"] = "sampler"
     # the loss's reference (docs/algorithm.md §11.1): the stored μ, or π_prox = the learner's weights when the
-    # step starts (a no-grad forward of each mini-batch but the first, whose own forward it is), the μ → π_prox
-    # gap corrected by rollout_correction.
+    # step starts (a no-grad forward of each mini-batch but the first, whose own forward it is), the
+    # μ → π_prox gap corrected by rollout_correction.
     # auto (resolved at load by `resolve_offpolicy`): step_start with the method's correction in
     # run.mode = async, where turns come from older versions; behavior with none in sync mode
     proximal: Literal["auto", "behavior", "step_start"] = "auto"
