@@ -51,7 +51,8 @@ class AdapterMerge:
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, weight in merged.items():
-                self.base.setdefault(name, params[name].detach().clone())
+                if name not in self.base:  # the untouched base, copied once (not on every version)
+                    self.base[name] = params[name].detach().clone()
                 params[name].copy_(weight)
             for name in [n for n in self.base if n not in merged]:
                 params[name].copy_(self.base.pop(name))
