@@ -15,9 +15,20 @@ from __future__ import annotations
 
 import gc
 
+_frozen = 0  # the count at the last freeze: gc.get_freeze_count() walks the whole frozen list each call
+
 
 def freeze_long_lived() -> int:
     """Collects once, then freezes every object alive now; returns how many are frozen in all."""
+    global _frozen
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    _frozen = gc.get_freeze_count()
+    return _frozen
+
+
+def frozen_count() -> int:
+    """How many objects the last `freeze_long_lived` left frozen, without walking them again: the sampler
+    reports it with every call's metrics, and a walk of 3 M frozen objects took 39 ms here (py-spy found the
+    real demo's samplers at that line in 3-17 % of their samples)."""
+    return _frozen

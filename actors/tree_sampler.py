@@ -25,7 +25,6 @@ gate between turns, the lockstep loop between rounds of turns.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
@@ -40,6 +39,7 @@ from actors.agent_loop import Episode, LoopLimits, run_episodes
 from actors.async_loop import EpisodeRunner
 from actors.chat import ChatFormat
 from actors.envs.base import EnvFailure, Environment, Task
+from actors.heap import frozen_count
 from actors.tree_plan import TreePlan, branch_episode, first_episode, grow_all
 from actors.turn_server import BatchedTurns, as_turn_server
 from actors.weight_gate import WeightGate, WeightPoller, load_version
@@ -208,7 +208,7 @@ class TreeSampler:
         if self.external is not None:  # e.g. external/rejected_requests (the agent endpoint)
             stats.update(self.external.metrics())
         stats["sampler/version"] = float(self.version())
-        stats["sampler/gc_frozen"] = float(gc.get_freeze_count())  # long-lived objects out of collections
+        stats["sampler/gc_frozen"] = float(frozen_count())  # long-lived objects out of collections
         elapsed = time.perf_counter() - self.started
         stats["sampler/idle_ratio"] = max(0.0, 1.0 - stats["sampler/busy_s"] / max(elapsed, 1e-9))
         return stats

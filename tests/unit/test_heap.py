@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from actors.heap import freeze_long_lived
+from actors.heap import freeze_long_lived, frozen_count
 
 
 class _Node:
@@ -25,6 +25,7 @@ def test_freeze_collects_first_and_takes_the_living_out_of_collections() -> None
         # The session's other threads (Ray's and vLLM's clients) may free frozen objects between the two
         # readings (a loaded run saw 995,415 then 995,409), so the later count may only be lower.
         assert before < gc.get_freeze_count() <= frozen
+        assert frozen_count() == frozen  # the metrics read the count kept at the freeze, no walk
         assert all(o is not alive for o in gc.get_objects())  # frozen: no generation tracks it now
     finally:
         gc.unfreeze()  # back into the oldest generation: the rest of the session collects as usual
