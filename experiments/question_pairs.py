@@ -20,7 +20,6 @@ reference difference (`REFERENCE_EFFECT`), by `pairs_needed`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,14 +60,6 @@ def question_differences(
     return seeds, {q: sum(better[s][q] - worse[s][q] for s in seeds) / len(seeds) for q in sorted(shared)}
 
 
-def _sd(xs: Sequence[float]) -> float:
-    n = len(xs)
-    if n < 2:
-        return math.nan
-    m = sum(xs) / n
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-
-
 def needed(sd: float, effect: float) -> int | None:
     """Questions for 80 % power at 5 % (None when the spread or the effect is zero or unknown)."""
     if not (sd == sd and effect == effect) or sd <= 0 or effect <= 0:
@@ -86,14 +77,14 @@ def question_claims(spec: Spec, results: Mapping[str, Mapping[str, Any]]) -> lis
         for metric, _ in PER_TASK:
             rows = tables[metric]
             seeds, diffs = question_differences(rows.get(better, {}), rows.get(worse, {}))
-            test, sd = paired_test(list(diffs.values())), _sd(list(diffs.values()))
+            test = paired_test(list(diffs.values()))
             claim[metric] = {
                 "seeds": seeds,
                 "questions": len(diffs),
                 "test": test.as_dict(),
-                "sd": sd,
-                "needed_observed": needed(sd, abs(test.mean)),
-                "needed_reference": needed(sd, REFERENCE_EFFECT),
+                "sd": test.sd,
+                "needed_observed": needed(test.sd, abs(test.mean)),
+                "needed_reference": needed(test.sd, REFERENCE_EFFECT),
             }
         out.append(claim)
     return out

@@ -204,7 +204,7 @@ def _power(test: PairedTest) -> str:
     low, high = test.interval()
     if not math.isfinite(low):
         return ""
-    need = pairs_needed(test.se * math.sqrt(test.n), abs(test.mean))
+    need = pairs_needed(test.sd, abs(test.mean))
     seeds = f"; {need} seeds would show a true difference of {abs(test.mean):.3f}" if need else ""
     return f", 95 % interval [{low:+.3f}, {high:+.3f}]{seeds}"
 

@@ -34,6 +34,11 @@ class PairedTest:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def sd(self) -> float:
+        """The sample sd (ddof 1) of one difference, se·√n (NaN below two pairs)."""
+        return self.se * math.sqrt(self.n)
+
     def interval(self, level: float = 0.95) -> tuple[float, float]:
         """The two-sided confidence interval of the mean difference, mean ± t(1 − (1 − level)/2, df)·se
         (NaN without a standard error)."""

@@ -294,8 +294,8 @@ class HFBackend:
         state, logits = hf_batch.prefill(self.model, [caches[i] for i in unique], suffixes, self.device)
         if len(unique) < len(reqs):
             at = {row: j for j, row in enumerate(unique)}
-            state = hf_batch.take_rows(state, [at[twin[i]] for i in range(len(reqs))], self.model.config)
-            logits = logits[[at[twin[i]] for i in range(len(reqs))]]
+            order = [at[twin[i]] for i in range(len(reqs))]  # each request's prefilled row
+            state, logits = hf_batch.take_rows(state, order, self.model.config), logits[order]
         tokens, lps, row_caches = self._decode_lockstep(reqs, gens, logits, state)
         out = []
         for i, req in enumerate(reqs):
