@@ -25,6 +25,9 @@
    `async_over_lockstep` (trees/s of the async loop over the lockstep loop on a long-tailed workload, goal
    >= 1.3). Items 1-3 run the lockstep loop (`sampler.loop=lockstep`): they replay `backend.sample` calls.
 
+5. `hf_decode` (benchmarks/hf_decode.py): the HF backend's lock-step decode step at SmolLM2-135M's
+   dimensions, with and without its in-place cache and grouped attention.
+
 Model: a finished warm-start in runtime/model_setup.py's cache if there is one, else a tiny model built here
 from the synthetic KB's tokenizer texts and given a short SFT on oracle trajectories (QUICK_SFT_STEPS):
 a random-init model never emits a stop token or a tool call, so its episodes end after one turn and its
@@ -168,7 +171,7 @@ def _backend_name() -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from actors.sampler_setup import build_env
-    from benchmarks import sampler_loops
+    from benchmarks import hf_decode, sampler_loops
     from configs.schema import load_config
     from runtime.model_setup import build_policy
 
@@ -195,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out.update(sampler_loops.async_over_lockstep(cfg, model, backend, env, 8 if quick else 16))
         finally:
             backend.close()
+    out["hf_decode"] = hf_decode.measure(quick)  # the HF backend's decode step, before and after
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return {"backend": cfg.sampler.backend, "prompts": prompts, "M": cfg.algo.M, "N": cfg.algo.N, **out}
 

@@ -37,7 +37,9 @@ from learner.tree_attention import TREE_ATTENTION, TreePlan, build_plan, use_att
 from system.policy import SamplingConfig
 from system.sampling import sampling_logprobs
 
-TREE_MASK_ATTENTION = ("eager", "sdpa")
+# the HF backend's grouped sdpa (actors/policy/grouped_attention.py) takes sdpa's masks: a model evaluated
+# through that backend switched to it
+TREE_MASK_ATTENTION = ("eager", "sdpa", "treeopsd_grouped_sdpa")
 
 
 def tree_plan(packed: PackedBatch, chunk: int = 32) -> TreePlan:

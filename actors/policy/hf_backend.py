@@ -39,6 +39,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from actors.policy import hf_batch
+from actors.policy.grouped_attention import use_grouped_attention
 from actors.policy.hf_lora import AdapterMerge
 from actors.policy.tiny_model import load_model, set_threads
 from system.lora_sync import is_adapter
@@ -92,6 +93,7 @@ class HFBackend:
         else:
             model = model_path_or_model
         self.model = model.to(device).eval()
+        use_grouped_attention(self.model)  # K/V heads not copied per query head (same numbers)
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.device = torch.device(device)

@@ -17,6 +17,10 @@ times the real ones), each group as above; with more than one group, every row's
 group and the rows are stacked once more for the decode steps, left-padded to the longest:
 
     [ pad (L − L_i) | its cache and suffix (L_i = P_i + S_i) | one token per decode step ... ]
+
+The batch cache's layers are `RoomyLayer`s: each decode step writes its token's K/V into spare room at the
+end instead of concatenating (a DynamicLayer copies the whole cache on every step: 30 % of a decode step of
+8 rows × 400 cached tokens, measured with SmolLM2-135M on one CPU thread).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -36,6 +41,58 @@ class Lockstep:
     width: int  # where the decode steps begin (W + S)
 
 
+class RoomyLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of the first n positions of larger buffers: `update`
+    writes the new positions in place and grows the buffers (by half again, at least `ROOM` positions)
+    only when they are full. Views handed out earlier keep their values: writes go past their end."""
+
+    ROOM = 256
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        if keys is not None and values is not None:
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+            self._grow(keys, values, keys.shape[-2])
+
+    def _grow(self, keys: torch.Tensor, values: torch.Tensor, need: int) -> None:
+        """New buffers holding `keys`/`values` with room for `need` positions and more."""
+        size = need + max(self.ROOM, need // 2)
+        self._k = keys.new_empty((*keys.shape[:2], size, keys.shape[3]))
+        self._v = values.new_empty((*values.shape[:2], size, values.shape[3]))
+        n = keys.shape[-2]
+        self._k[..., :n, :].copy_(keys)
+        self._v[..., :n, :].copy_(values)
+        self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            self._grow(key_states[..., :0, :], value_states[..., :0, :], key_states.shape[-2])
+        n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        if self._k is None or self._v is None or end > self._k.shape[-2]:
+            self._grow(self.keys, self.values, end)
+        assert self._k is not None and self._v is not None
+        self._k[..., n:end, :].copy_(key_states)
+        self._v[..., n:end, :].copy_(value_states)
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        return self.keys, self.values
+
+
+def roomy(layers: list[tuple[torch.Tensor, torch.Tensor]], config: object) -> DynamicCache:
+    """A batch cache over `layers` ((keys, values) per layer; none: lazily on the first forward) whose
+    decode steps write in place (`RoomyLayer`)."""
+    cache = DynamicCache(config=config)
+    if layers:
+        cache.layers = [RoomyLayer(k, v) for k, v in layers]
+    else:
+        cache.layers = [RoomyLayer() for _ in cache.layers]
+    return cache
+
+
 def _left_pad(t: torch.Tensor | None, like: torch.Tensor, width: int) -> torch.Tensor:
     """[1, heads, n, dim] → [1, heads, width, dim] with zeros in front (a row without a cache: all zeros)."""
     if t is None:
@@ -45,14 +102,14 @@ def _left_pad(t: torch.Tensor | None, like: torch.Tensor, width: int) -> torch.T
 
 def _stack(caches: list[DynamicCache], width: int, config: object) -> DynamicCache:
     if width == 0:
-        return DynamicCache(config=config)
+        return roomy([], config)
     layers = []
     for parts in zip(*(list(c) for c in caches), strict=True):
         like = next(k for k, *_ in parts if k is not None)
         keys = torch.cat([_left_pad(k, like, width) for k, *_ in parts])
         values = torch.cat([_left_pad(v, like, width) for _, v, *_ in parts])
         layers.append((keys, values))
-    return DynamicCache(layers, config=config)
+    return roomy(layers, config)
 
 
 PAD_SLACK = 1.25  # a prefill group's padded suffix tokens over its real ones, at most
@@ -141,7 +198,7 @@ def take_rows(state: Lockstep, rows: list[int], config: object) -> Lockstep:
         (k.index_select(0, index.to(k.device)), v.index_select(0, index.to(k.device)))
         for k, v, *_ in state.cache
     ]
-    cache = DynamicCache(layers, config=config)
+    cache = roomy(layers, config)
     return Lockstep(
         cache,
         state.mask.index_select(0, index),
