@@ -33,11 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from configs.schema import ConfigError, load_config
+    from experiments.provenance import commit
     from launch.cmd_train import evaluate_split, prepare_run_dir
     from runtime.model_setup import ModelPathError, resolve_model
     from runtime.ray_run import train
 
-    started = time.perf_counter()
+    started, code = time.perf_counter(), commit()  # the code as it was when the run began
     extra = list(args.overrides)
     run_dir = args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     extra.append(f"run.run_dir={run_dir}")
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     report = demo_report(before, after, summary, Path(run_dir))
     report["command"] = demo_command(args.config)
     report["wall_s"] = round(time.perf_counter() - started, 1)
+    report["commit"] = code
     write_atomic(Path(run_dir, "demo.json"), json.dumps(report, indent=2).encode())
     write_atomic(Path(run_dir, "demo.md"), render_markdown(report).encode())
     print(json.dumps(report, indent=2))
@@ -162,7 +164,8 @@ def render_markdown(report: dict) -> str:
         "",
         f"`{report.get('command', 'make demo')}`: {report['steps']} asynchronous TreeOPSD steps in "
         f"{report['train_s']:.0f} s, "
-        f"{report.get('wall_s', float('nan')) / 60:.1f} min from start to end.",
+        f"{report.get('wall_s', float('nan')) / 60:.1f} min from start to end"
+        + (f", at commit {report['commit']}." if report.get("commit") else "."),
         "",
         f"* held-out success (greedy, {report['paired_tasks']} questions): {before:.3f} before → {after:.3f} "
         f"after, {gain:+.3f} ± {se:.3f} (paired standard error; {ratio} SE)",

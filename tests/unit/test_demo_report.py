@@ -30,7 +30,7 @@ def test_reward_windows_by_hand():
 def test_demo_markdown_reads_the_report():
     from launch.cmd_demo import render_markdown
 
-    report = {"steps": 200, "train_s": 290.4, "wall_s": 422.0, "paired_tasks": 80}
+    report = {"steps": 200, "train_s": 290.4, "wall_s": 422.0, "paired_tasks": 80, "commit": "abc1234"}
     report.update(success_before=0.325, success_after=0.5, success_gain=0.175, success_gain_paired_se=0.0527)
     report["per_hop_before"] = {"4": {"n": 40, "success": 0.65}}
     report["per_hop_after"] = {"4": {"n": 40, "success": 0.7}}
@@ -38,7 +38,7 @@ def test_demo_markdown_reads_the_report():
     md = render_markdown(report)
     # 0.175 / 0.0527 = 3.32 SE; 422 s = 7.0 min
     assert "0.325 before → 0.500 after, +0.175 ± 0.053 (paired standard error; 3.3 SE)" in md
-    assert "200 asynchronous TreeOPSD steps in 290 s, 7.0 min" in md
+    assert "200 asynchronous TreeOPSD steps in 290 s, 7.0 min from start to end, at commit abc1234." in md
     assert "* 4-hop (40 questions): 0.650 → 0.700" in md and "0.16 → 0.30" in md
 
 
@@ -80,6 +80,7 @@ def test_demo_report_pairs_sampled_success_and_shows_how_answers_ended(tmp_path)
     assert report["answers_before"] == {"f1": 0.1, "answered": 0.5, "malformed": 0.25}
     assert report["answers_after"] == {"f1": 0.4, "answered": 1.0, "malformed": 0.0}
     md = render_markdown({**report, "wall_s": 90.0})
+    assert "1.5 min from start to end.\n" in md  # a report without a commit (written before they had one)
     assert "(temperature 1, 4 per question): 0.188 before → 0.500 after, +0.312 ± 0.062" in md
     assert "(paired over questions; 5.0 SE)" in md
     assert "answered 0.50 → 1.00, malformed 0.25 → 0.00, F1 0.100 → 0.400" in md
