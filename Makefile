@@ -142,6 +142,9 @@ horizon-ablations-quick: $(STAMP)
 # The method table on real text (issue 56): the real demo's task, model and LoRA with TreeOPSD (4,2), GRPO (G = 8)
 # and the untrained warm start over 3 seeds, held-out success paired per seed and per question
 # (configs/real_table.yaml); -quick: one seed, 4 steps.
+# the tables whose claims `make readme` sums up in one paragraph (experiments/wins.py)
+WINS_TABLES = $(addprefix benchmarks/results/,horizon_sweep.json horizon_ablations.json real_table.json)
+
 real-table: $(STAMP)
 	$(VENV)/bin/treeopsd experiment configs/real_table.yaml --jobs 2 $(EXPERIMENT_ARGS)
 
@@ -161,6 +164,7 @@ node-drill: $(STAMP)
 # apart).
 readme: $(STAMP)
 	$(PY) -m tools.fault_report benchmarks/results
+	$(PY) -m experiments.wins $(WINS_TABLES) --out benchmarks/results/where_treeopsd_wins.md
 	$(PY) -m tools.readme_results
 
 clean:
