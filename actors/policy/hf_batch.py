@@ -50,8 +50,7 @@ class RoomyLayer(DynamicLayer):
 
     def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
         super().__init__()
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self._k = self._v = torch.empty(0, 0, 0, 0)  # the buffers; sized on the first keys
         if keys is not None and values is not None:
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
             self._grow(keys, values, keys.shape[-2])
@@ -69,13 +68,13 @@ class RoomyLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
+        if not self.is_initialized:  # a row with nothing cached: empty buffers of the right shape first
             self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
             self._grow(key_states[..., :0, :], value_states[..., :0, :], key_states.shape[-2])
-        n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
-        if self._k is None or self._v is None or end > self._k.shape[-2]:
+        n = self.keys.shape[-2]
+        end = n + key_states.shape[-2]
+        if end > self._k.shape[-2]:
             self._grow(self.keys, self.values, end)
-        assert self._k is not None and self._v is not None
         self._k[..., n:end, :].copy_(key_states)
         self._v[..., n:end, :].copy_(value_states)
         self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
