@@ -3,8 +3,8 @@
 
 A random-init model of SmolLM2-135M's dimensions (the real demo's model: 30 layers, 576 wide, 9 query over
 3 K/V heads), one thread, `rows` requests of ~`context` tokens decoding `new` tokens each in one `sample`
-call. Four layouts, each timed over its decode steps only (hf_batch.step), interleaved `repeats` times
-with the best kept (the machine may be shared):
+call. Four layouts, each timed per decode step (hf_batch.step; the median step, so a burst of load on a
+shared machine moves it little), interleaved `repeats` times with the best kept:
 
 - `baseline`: transformers' sdpa (K/V repeated per query head under a mask) and a concatenating cache;
 - `grouped`: the grouped sdpa (actors/policy/grouped_attention.py) only;
@@ -17,6 +17,7 @@ with the best kept (the machine may be shared):
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any
 
@@ -46,18 +47,18 @@ def _concatenating(layers: list[tuple[torch.Tensor, torch.Tensor]], config: obje
 
 
 def _decode_ms(model: Any, layout: str, contexts: list[list[int]], new: int) -> tuple[float, list]:
-    """Mean ms per decode step of one lock-step call in `layout`, and the ids it drew."""
+    """The median ms of a decode step of one lock-step call in `layout`, and the ids it drew."""
     from actors.policy import hf_batch
     from actors.policy.hf_backend import HFBackend
     from system.policy import SampleRequest, SamplingConfig
 
-    spent = [0.0]
+    spent: list[float] = []
     step, roomy = hf_batch.step, hf_batch.roomy
 
     def timed(*args: Any) -> torch.Tensor:
         t0 = time.perf_counter()
         out = step(*args)
-        spent[0] += time.perf_counter() - t0
+        spent.append(time.perf_counter() - t0)
         return out
 
     hf_batch.step = timed  # type: ignore[assignment]
@@ -70,7 +71,7 @@ def _decode_ms(model: Any, layout: str, contexts: list[list[int]], new: int) -> 
         results = backend.sample([SampleRequest(c, new, (-1,)) for c in contexts])
     finally:
         hf_batch.step, hf_batch.roomy = step, roomy  # type: ignore[assignment]
-    return spent[0] / (new - 1) * 1000, [r.token_ids for r in results]
+    return statistics.median(spent) * 1000, [r.token_ids for r in results]
 
 
 def measure(quick: bool) -> dict[str, Any]:
