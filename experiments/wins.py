@@ -7,10 +7,11 @@ files (README "Where TreeOPSD wins, in one paragraph"; `make readme` writes it).
 
 Each table's claims were stated in its config before its runs and are tested there on greedy held-out
 success, paired per seed, t with n − 1 degrees of freedom (experiments/report.py `check_claims`). Here the
-claims that put TreeOPSD against another method or variant are sorted by their verdict: a win (holds), a
-loss (reversed), or no difference shown (a tie, or not significant). The claims against the untrained warm
-start say whether a method learned at all, so they get a sentence of their own. A results file that does
-not exist yet is named as not run; nothing is inferred for it.
+claims that put TreeOPSD against another method or variant are sorted by that verdict: a win (holds), a
+loss (reversed), or no difference shown (a tie, or not significant); where a table also tests a claim per
+held-out question (the real table), that test and its verdict follow the per-seed figures. The claims
+against the untrained warm start say whether a method learned at all, so they get a sentence of their
+own. A results file that does not exist yet is named as not run; nothing is inferred for it.
 """
 
 from __future__ import annotations
@@ -46,8 +47,23 @@ def classify(claims: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[str, P
     return out
 
 
-def _items(pairs: Sequence[tuple[str, PairedTest]], table: str) -> list[str]:
-    return [f"{what} ({table}: {test.line().rsplit(':', 1)[0]})" for what, test in pairs]
+def per_question(results: Mapping[str, Any]) -> dict[str, PairedTest]:
+    """A table's per-question greedy tests (experiments/question_pairs.py), by "better over worse"."""
+    return {
+        f"{q['better']} over {q['worse']}": PairedTest(**q["success"]["test"])
+        for q in results.get("question_claims", [])
+    }
+
+
+def _items(
+    pairs: Sequence[tuple[str, PairedTest]], table: str, questions: Mapping[str, PairedTest]
+) -> list[str]:
+    """Each claim with its per-seed figures, then its per-question test where the table has one."""
+    out = []
+    for what, test in pairs:
+        extra = f"; per question: {questions[what].line()}" if what in questions else ""
+        out.append(f"{what} ({table}: {test.line().rsplit(':', 1)[0]}{extra})")
+    return out
 
 
 def paragraph(tables: Mapping[str, Mapping[str, Any] | None]) -> str:
@@ -57,16 +73,18 @@ def paragraph(tables: Mapping[str, Mapping[str, Any] | None]) -> str:
     for name, results in tables.items():
         if results is None:
             continue
+        questions = per_question(results)
         for kind, pairs in classify(results["claims"]).items():
             if kind in ("learned", "not learned"):  # tables sharing runs state the same claim: once
                 pairs = [(what, t) for what, t in pairs if t not in seen]
                 seen.update(t for _, t in pairs)
-            said[kind] += _items(pairs, name)
+            said[kind] += _items(pairs, name, questions)
     missing = [name for name, results in tables.items() if results is None]
     sentences = [
         "At this scale (tiny models on the synthetic task, SmolLM2-135M with LoRA on real text; greedy "
         "held-out success, paired per seed, t with n − 1 degrees of freedom, two-sided 5 %), of the "
-        "orderings each table stated before its runs (the first named claimed better), these hold, where "
+        "orderings each table stated before its runs (the first named claimed better; sorted by the per-seed "
+        "test, a per-question test after it where the table has one), these hold, where "
         f"TreeOPSD wins: {'; '.join(said['wins']) or 'none'}.",
         f"No difference is shown: {'; '.join(said['ties']) or 'none'}.",
         f"Reversed, where it loses: {'; '.join(said['losses']) or 'none'}.",

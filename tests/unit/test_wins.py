@@ -29,12 +29,20 @@ def test_claims_land_under_their_verdicts_and_shared_runs_count_once(tmp_path):
         learned,
     )
     ablations = results("bbb2222", learned)  # the same runs' claim again
+    # a per-question test of one claim: 4 questions, d = (0.1, 0.0, 0.1, 0.0), mean 0.05, se 0.0289
+    per_question = paired_test([0.1, 0.0, 0.1, 0.0]).as_dict()
+    sweep["question_claims"] = [
+        {"better": "TreeOPSD (4,2)", "worse": "GRPO (G=8)", "success": {"test": per_question}}
+    ]
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))
     (tmp_path / "ablations.json").write_text(json.dumps(ablations))
     text = wins.render([tmp_path / "sweep.json", tmp_path / "ablations.json", tmp_path / "real_table.json"])
     assert "from sweep.json at commit aaa1111, ablations.json at commit bbb2222." in text
     # 0.06 / (0.01 / √3) = 10.39; p two-sided with 2 df = 0.009
     assert "TreeOPSD wins: TreeOPSD (4,2) over GRPO (G=8) (sweep: +0.060 ± 0.006 (t = 10.39, df 2" in text
+    # 0.05 / 0.0289 = 1.73 with 3 df: p 0.182
+    assert "p = 0.009); per question: +0.050 ± 0.029 (t = 1.73, df 3, p = 0.182): not significant)" in text
+    assert text.count("per question") == 1  # the claims without one have none
     assert "No difference is shown: TreeOPSD (4,2) over TreePO (4,2) (sweep: -0.003 ± 0.009" in text
     assert "where it loses: TreeOPSD (2,2) over TreeOPSD (4,0) (sweep: -0.038 ± 0.001" in text
     assert text.count("TreeOPSD beats its untrained warm start: TreeOPSD (4,2) (sweep: +0.110") == 1
