@@ -5,8 +5,8 @@ With an attention mask, transformers' `sdpa` path repeats each K/V head for its 
 no mask. torch's CPU kernel takes the groups as they are (`enable_gqa=True`) and gives the same numbers.
 The HF backend always decodes with a mask (its rows are left-padded), so there the copy was most of the
 attention's time: 8 rows × 450 cached tokens, SmolLM2-135M's 9 query over 3 K/V heads, one thread, an
-attention call took 8.2 ms with the copy and 2.6 ms without; `treeopsd bench sampler --hf-decode` gives a
-whole decode step, before and after.
+attention call took 8.2 ms with the copy and 2.6 ms without (beside two busy processes). `treeopsd bench
+sampler` times a whole decode step with and without it (`hf_decode`).
 
 `use_grouped_attention(model)` switches a model from `sdpa` to this implementation (same mask format, same
 outputs, gradients too); any other implementation (eager, flex, flash) is left alone.
