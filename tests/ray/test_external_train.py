@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -67,10 +68,24 @@ def test_a_harness_failing_every_episode_stops_the_run_with_one_line(tmp_path, t
     assert last.startswith(want) and "RuntimeError: the harness broke" in last
 
 
+# Ports the run binds later, so picked outside the kernel's ephemeral range (32768-60999) and Ray's worker
+# ports (10002-19999): an ephemeral port freed here was taken by another process of the loaded CI machine
+# before the sampler bound it ("Address already in use [config key: env.agent_port]").
+QUIET_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on loopback now, from QUIET_PORTS."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.choice(QUIET_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {QUIET_PORTS}")
 
 
 def test_an_agent_in_its_own_process_trains_and_its_side_calls_are_stored_linked(tmp_path, tiny_model_dir):
